@@ -1,0 +1,19 @@
+"""lightning_act: activation compressed training for PyTorch and PyTorch Lightning.
+
+The tensors autograd saves for backward are stored at 1-8 bits per value and decoded just
+before backward needs them. Use :class:`ActCompression` as a Lightning callback, or
+:func:`compress_activations` around a plain PyTorch forward.
+"""
+
+from lightning_act.callback import ActCompression
+from lightning_act.capture import ActivationCapture, CompressionReport, ModuleMemory, compress_activations
+from lightning_act.config import CompressionConfig
+
+__all__ = [
+    "ActCompression",
+    "ActivationCapture",
+    "CompressionConfig",
+    "CompressionReport",
+    "ModuleMemory",
+    "compress_activations",
+]

@@ -1,0 +1,470 @@
+"""The capture engine: for every tensor autograd saves for backward, decide how it is
+stored, store it at once, attribute it to the module that saved it, and account its bytes.
+
+Framework-free: :class:`ActivationCapture` works with any ``nn.Module`` (or none), and the
+Lightning callback is a thin scheduler around it. The decision for one saved tensor:
+
+* not floating point (masks, indices), too small, or laid out with overlapping elements
+  (a broadcast/unfolded view whose dense copy would be larger): kept as it is;
+* a parameter, a view of one, or a tensor that belongs to the step's input batch: kept
+  *and not counted*, because its owner keeps it alive whatever autograd does;
+* a cast copy of a parameter (autocast's bf16/fp16 weights): not kept at all; it is cast
+  again from the parameter when backward needs it, which is exact;
+* anything else: compressed now, at pack time (a deferred copy would miss in-place
+  changes, which autograd no longer detects once hooks are installed).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from lightning_act.codecs import GroupQuantCodec
+from lightning_act.config import CompressionConfig
+from lightning_act.ops import count_nonfinite_groups
+
+OUTSIDE_MODULES = "<outside modules>"
+
+# Autograd nodes that only view or cast their single input: following them from a saved
+# tensor tells whether it is a parameter in disguise.
+_VIEW_OR_CAST_NODES = frozenset(
+    {
+        "AliasBackward0",
+        "CloneBackward0",
+        "ExpandBackward0",
+        "PermuteBackward0",
+        "ReshapeAliasBackward0",
+        "SelectBackward0",
+        "SliceBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SqueezeBackward2",
+        "TBackward0",
+        "ToCopyBackward0",
+        "TransposeBackward0",
+        "UnsafeViewBackward0",
+        "UnsqueezeBackward0",
+        "ViewBackward0",
+    }
+)
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+@dataclass
+class ModuleMemory:
+    """Bytes one module's saved tensors would have kept, and what is stored instead."""
+
+    saved_bytes: int = 0
+    stored_bytes: int = 0
+    tensors: int = 0
+    compressed: int = 0
+
+
+@dataclass
+class CompressionReport:
+    """What one captured forward saved for backward, per module and in total.
+
+    ``saved_bytes`` counts each storage autograd would have kept alive once (views and
+    expanded tensors share storage); ``stored_bytes`` counts what is really allocated for
+    backward instead. Tensors that stay alive anyway (parameters, the input batch) are in
+    neither. ``nonfinite_groups`` is a device tensor (reading it synchronizes).
+    """
+
+    saved_bytes: int = 0
+    stored_bytes: int = 0
+    modules: dict[str, ModuleMemory] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    nonfinite_groups: torch.Tensor | int = 0
+
+    @property
+    def ratio(self) -> float:
+        """``saved_bytes / stored_bytes`` (1.0 when nothing was saved)."""
+        return self.saved_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    def summary(self, max_modules: int = 20) -> str:
+        """A fixed-width table of the modules that save the most, then the totals."""
+        rows = sorted(self.modules.items(), key=lambda kv: kv[1].saved_bytes, reverse=True)
+        width = max([len("module")] + [len(name) for name, _ in rows[:max_modules]])
+        lines = [f"{'module':<{width}}  {'saved MiB':>10}  {'stored MiB':>10}  {'ratio':>7}  {'tensors':>7}"]
+        for name, m in rows[:max_modules]:
+            ratio = m.saved_bytes / m.stored_bytes if m.stored_bytes else float("inf")
+            lines.append(
+                f"{name:<{width}}  {m.saved_bytes / 2**20:>10.3f}  {m.stored_bytes / 2**20:>10.3f}"
+                f"  {ratio:>6.2f}x  {m.tensors:>7}"
+            )
+        if len(rows) > max_modules:
+            lines.append(f"... {len(rows) - max_modules} more modules")
+        lines.append(
+            f"{'total':<{width}}  {self.saved_bytes / 2**20:>10.3f}  {self.stored_bytes / 2**20:>10.3f}"
+            f"  {self.ratio:>6.2f}x  {sum(m.tensors for m in self.modules.values()):>7}"
+        )
+        counts = ", ".join(f"{k}: {v}" for k, v in sorted(self.counts.items()))
+        return "\n".join(lines + [f"saved tensors by decision: {counts}"])
+
+
+class _Layout:
+    """How to lay a saved tensor out densely for a codec, and how to give it back.
+
+    Dense tensors of any memory format are read in memory order (a permuted view, no copy)
+    and restored with their original strides; broadcast dimensions (stride 0) are stored
+    once and expanded again; other non-overlapping views (slices such as q, k, v of a fused
+    projection) are copied to a dense tensor and come back dense.
+    """
+
+    __slots__ = ("expand_to", "inverse_perm")
+
+    def __init__(self, expand_to: torch.Size | None, inverse_perm: tuple[int, ...] | None):
+        self.expand_to = expand_to
+        self.inverse_perm = inverse_perm
+
+    @staticmethod
+    def dense_view(t: torch.Tensor) -> tuple[torch.Tensor, _Layout] | None:
+        """A contiguous tensor holding ``t``'s distinct elements, or None if they overlap."""
+        expand_to = None
+        if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
+            expand_to = t.shape
+            t = t[tuple(slice(0, 1) if st == 0 else slice(None) for st in t.stride())]
+        perm = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+        permuted = t.permute(perm)
+        if not permuted.is_contiguous():
+            extent = 1
+            for d in reversed(perm):
+                if t.size(d) > 1:
+                    if t.stride(d) < extent:
+                        return None
+                    extent = t.stride(d) * t.size(d)
+            permuted = permuted.contiguous()
+        identity = all(p == i for i, p in enumerate(perm))
+        inverse = None if identity else tuple(sorted(range(len(perm)), key=perm.__getitem__))
+        return permuted, _Layout(expand_to, inverse)
+
+    def restore(self, dense: torch.Tensor) -> torch.Tensor:
+        t = dense if self.inverse_perm is None else dense.permute(self.inverse_perm)
+        return t if self.expand_to is None else t.expand(self.expand_to)
+
+
+class _Compressed:
+    """What autograd holds instead of a compressed tensor."""
+
+    __slots__ = ("record", "layout")
+
+    def __init__(self, record, layout: _Layout):
+        self.record = record
+        self.layout = layout
+
+    def unpack(self) -> torch.Tensor:
+        return self.layout.restore(self.record.unpack())
+
+
+class _RecastWeight:
+    """What autograd holds instead of autocast's low-precision copy of a parameter."""
+
+    __slots__ = ("param", "version", "dtype", "size", "stride", "offset")
+
+    def __init__(self, param: nn.Parameter, saved: torch.Tensor):
+        self.param = param
+        self.version = param._version
+        self.dtype = saved.dtype
+        self.size = saved.shape
+        self.stride = saved.stride()
+        self.offset = saved.storage_offset()
+
+    def unpack(self) -> torch.Tensor:
+        if self.param._version != self.version:
+            raise RuntimeError(
+                f"lightning_act: a parameter of shape {tuple(self.param.shape)} was modified in place between "
+                "forward and backward, so its autocast copy cannot be re-created exactly. Run the optimizer "
+                "step after backward, or exclude this module from compression."
+            )
+        return self.param.detach().to(self.dtype).as_strided(self.size, self.stride, self.offset)
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    return saved if isinstance(saved, torch.Tensor) else saved.unpack()
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, StorageWeakRef]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), StorageWeakRef(storage)
+
+
+def _source_parameter(t: torch.Tensor) -> tuple[nn.Parameter | None, bool]:
+    """The parameter ``t`` views or casts, and whether ``t`` is an exact cast copy of it."""
+    base = t if t._base is None else t._base
+    if isinstance(base, nn.Parameter):
+        return base, False
+    node = base.grad_fn
+    recastable = node is not None and node.name() == "ToCopyBackward0"
+    while node is not None and node.name() in _VIEW_OR_CAST_NODES:
+        node = node.next_functions[0][0]
+    variable = getattr(node, "variable", None)
+    if not isinstance(variable, nn.Parameter):
+        return None, False
+    exact = (
+        recastable
+        and node is base.grad_fn.next_functions[0][0]
+        and base.shape == variable.shape
+        and base.stride() == variable.stride()
+        and base.storage_offset() == 0
+    )
+    return variable, exact
+
+
+class ActivationCapture:
+    """Compresses what autograd saves while a forward runs inside :meth:`capturing`.
+
+    Args:
+        config: bits, group size, size threshold and seed.
+        model: names the modules in the report (qualified names); without it, modules are
+            named by class. Its parameters and buffers are never compressed either way.
+
+    Example::
+
+        capture = ActivationCapture(CompressionConfig(bits=2), model)
+        with capture.capturing(inputs=(x,)):
+            loss = model(x).sum()
+        loss.backward()
+        print(capture.report.summary())
+    """
+
+    def __init__(self, config: CompressionConfig | None = None, model: nn.Module | None = None):
+        self.config = config or CompressionConfig()
+        self.codec = GroupQuantCodec(self.config.group_size)
+        self.model = model
+        self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        if model is not None:
+            for name, module in model.named_modules():
+                self._names[module] = name or type(module).__name__
+        self.report = CompressionReport()
+        self.total_nonfinite_groups: torch.Tensor | int = 0
+        self._sessions = 0
+        self._active = False
+        self._paused = False
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._module_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._stack: list[str] = []
+        self._reset_session(seed=0)
+
+    # ----------------------------------------------------------------- session control
+    def _reset_session(self, seed: int) -> None:
+        self.report = CompressionReport()
+        self._seed = seed
+        self._packs = 0
+        self._dedup: dict[tuple, tuple[StorageWeakRef, _Compressed]] = {}
+        self._saved_storages: dict[int, StorageWeakRef] = {}
+        self._kept_storages: dict[int, StorageWeakRef] = {}
+        self._external: dict[int, StorageWeakRef] = {}
+        self._stats: list[torch.Tensor] = []
+
+    def start(self, inputs: Any = None, seed: int | None = None) -> None:
+        """Start capturing: every tensor saved from now on is considered.
+
+        Args:
+            inputs: tensors (or nested lists/tuples/dicts of them) alive for the whole step,
+                such as the batch: saving them costs nothing, so they are not compressed.
+            seed: the rounding-noise stream of this session; by default, the config's seed
+                mixed with a session counter, so every step draws fresh noise.
+        """
+        if self._active:
+            raise RuntimeError("ActivationCapture.start() called twice without stop()")
+        self._sessions += 1
+        if seed is None:
+            seed = splitmix64(self.config.seed ^ splitmix64(self._sessions))
+        self._reset_session(seed)
+        self.mark_external(inputs)
+        if self.model is not None:
+            self.mark_external(list(self.model.buffers()))
+        self._module_hooks = [
+            nn.modules.module.register_module_forward_pre_hook(self._enter_module),
+            nn.modules.module.register_module_forward_hook(self._leave_module, always_call=True),
+        ]
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
+        self._active = True
+        self._paused = False
+
+    def stop(self) -> CompressionReport:
+        """Stop capturing and return the report of this session. Safe to call twice."""
+        if not self._active:
+            return self.report
+        self._active = False
+        try:
+            self._hooks.__exit__(None, None, None)
+        finally:
+            self._hooks = None
+            for handle in self._module_hooks:
+                handle.remove()
+            self._module_hooks = []
+            self._stack.clear()
+        if self._stats:
+            found = torch.stack([count_nonfinite_groups(s) for s in self._stats]).sum()
+            self.report.nonfinite_groups = found
+            self.total_nonfinite_groups = self.total_nonfinite_groups + found
+        self._stats = []
+        self._dedup = {}
+        return self.report
+
+    def pause(self) -> None:
+        """Let saved tensors pass through untouched (for backward) until :meth:`resume`."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def capturing(self, inputs: Any = None, seed: int | None = None) -> _CaptureContext:
+        """Context manager around :meth:`start` / :meth:`stop` (stops on exceptions too)."""
+        return _CaptureContext(self, inputs, seed)
+
+    def mark_external(self, obj: Any) -> None:
+        """Declare tensors alive for the whole step: they are saved as they are, uncounted."""
+        if isinstance(obj, torch.Tensor):
+            ptr, ref = _storage_key(obj)
+            self._external[ptr] = ref
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                self.mark_external(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                self.mark_external(value)
+        elif hasattr(obj, "to_dict"):  # torch_geometric Data / Batch
+            self.mark_external(obj.to_dict())
+
+    # ----------------------------------------------------------------- module attribution
+    def _enter_module(self, module: nn.Module, args: Any) -> None:
+        self._stack.append(self._names.get(module) or type(module).__name__)
+
+    def _leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._stack:
+            self._stack.pop()
+
+    # ----------------------------------------------------------------- the pack hook
+    @staticmethod
+    def _live(table: dict[int, StorageWeakRef], ptr: int) -> bool:
+        ref = table.get(ptr)
+        return ref is not None and not ref.expired()
+
+    def _account(self, module: str, t: torch.Tensor, decision: str, stored: int) -> None:
+        """Add one saved tensor to the report; its storage counts once however often saved."""
+        report = self.report
+        report.counts[decision] = report.counts.get(decision, 0) + 1
+        stats = report.modules.get(module)
+        if stats is None:
+            stats = report.modules[module] = ModuleMemory()
+        stats.tensors += 1
+        ptr, ref = _storage_key(t)
+        if not self._live(self._saved_storages, ptr):
+            self._saved_storages[ptr] = ref
+            nbytes = t.untyped_storage().nbytes()
+            report.saved_bytes += nbytes
+            stats.saved_bytes += nbytes
+        if decision == "kept":
+            if self._live(self._kept_storages, ptr):
+                return
+            self._kept_storages[ptr] = ref
+            stored = t.untyped_storage().nbytes()
+        elif decision == "compressed":
+            stats.compressed += 1
+        report.stored_bytes += stored
+        stats.stored_bytes += stored
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if self._paused or torch._C._current_graph_task_id() != -1 or torch.compiler.is_compiling():
+            return t.detach()  # a detached alias, never t itself: returning t can leak it
+        module = self._stack[-1] if self._stack else OUTSIDE_MODULES
+        if not t.is_floating_point():
+            self._account(module, t, "kept", 0)
+            return t.detach()
+        param, recastable = _source_parameter(t)
+        if param is not None:
+            if recastable:
+                self._account(module, t, "recast", 0)
+                return _RecastWeight(param, t)
+            if param.dtype == t.dtype:
+                self._count_uncounted("parameter")
+            else:
+                self._account(module, t, "kept", 0)
+            return t.detach()
+        ptr = t.untyped_storage().data_ptr()
+        if self._live(self._external, ptr):
+            self._count_uncounted("external")
+            return t.detach()
+        key = (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
+        cached = self._dedup.get(key)
+        if cached is not None and not cached[0].expired():
+            self._account(module, t, "deduplicated", 0)
+            return cached[1]
+        laid_out = _Layout.dense_view(t)
+        if laid_out is None or laid_out[0].numel() < self.config.min_numel:
+            self._account(module, t, "kept", 0)
+            return t.detach()
+        dense, layout = laid_out
+        self._packs += 1
+        record = self.codec.pack(dense, self.config.bits, splitmix64(self._seed + self._packs) >> 1)
+        self._stats.append(record.stats)
+        saved = _Compressed(record, layout)
+        self._dedup[key] = (StorageWeakRef(t.untyped_storage()), saved)
+        self._account(module, t, "compressed", record.nbytes)
+        return saved
+
+    def _count_uncounted(self, decision: str) -> None:
+        """Count a tensor that stays alive anyway: it is in neither byte total."""
+        self.report.counts[decision] = self.report.counts.get(decision, 0) + 1
+
+
+class _CaptureContext:
+    def __init__(self, capture: ActivationCapture, inputs: Any, seed: int | None):
+        self.capture = capture
+        self.inputs = inputs
+        self.seed = seed
+
+    def __enter__(self) -> ActivationCapture:
+        self.capture.start(self.inputs, self.seed)
+        return self.capture
+
+    def __exit__(self, *exc) -> None:
+        self.capture.stop()
+
+
+def compress_activations(
+    model: nn.Module | None = None, inputs: Any = None, config: CompressionConfig | None = None, **settings
+) -> _CaptureContext:
+    """Compress every activation saved by the forward run inside the ``with`` block.
+
+    Plain PyTorch, no Lightning needed. Backward may run inside or after the block.
+
+    Args:
+        model: names modules in the report; its parameters and buffers are never compressed.
+        inputs: tensors alive for the whole step (the batch), saved as they are.
+        config: a :class:`CompressionConfig`; or pass its fields as keywords (``bits=2``).
+
+    Returns:
+        A context manager whose ``__enter__`` gives the :class:`ActivationCapture`; after
+        the block, ``capture.report`` holds per-module and total byte figures.
+
+    Example::
+
+        with compress_activations(model, inputs=x, bits=2) as capture:
+            loss = criterion(model(x), y)
+        loss.backward()
+        print(capture.report.ratio)
+    """
+    if config is not None and settings:
+        raise ValueError(f"pass either config or keyword settings, not both (got {sorted(settings)})")
+    return ActivationCapture(config or CompressionConfig(**settings), model).capturing(inputs)

@@ -1,0 +1,51 @@
+"""Per-group stochastic quantization (ActNN's codec, with zero-preserving groups)."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_act import ops
+
+
+class QuantizedTensor:
+    """A tensor stored as packed ``bits``-bit codes plus per-group bfloat16 statistics."""
+
+    __slots__ = ("codes", "stats", "bits", "group_size", "shape", "dtype")
+
+    def __init__(self, codes, stats, bits: int, group_size: int, shape: torch.Size, dtype: torch.dtype):
+        self.codes = codes
+        self.stats = stats
+        self.bits = bits
+        self.group_size = group_size
+        self.shape = shape
+        self.dtype = dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this record keeps allocated (codes and statistics)."""
+        return self.codes.untyped_storage().nbytes() + self.stats.untyped_storage().nbytes()
+
+    def unpack(self) -> torch.Tensor:
+        """A new contiguous tensor of the original shape and dtype."""
+        numel = self.shape.numel()
+        flat = ops.unpack_dequantize(self.codes, self.stats, self.bits, self.group_size, numel, self.dtype)
+        return flat.view(self.shape)
+
+
+class GroupQuantCodec:
+    """Stores a tensor at ``bits`` per value in groups of ``group_size`` consecutive values.
+
+    Args:
+        group_size: values per group, a power of two in [8, 65536].
+    """
+
+    name = "quant"
+
+    def __init__(self, group_size: int = 256):
+        ops.check_quant_args(2, group_size)
+        self.group_size = group_size
+
+    def pack(self, dense: torch.Tensor, bits: int, seed: int) -> QuantizedTensor:
+        """Quantize a contiguous float tensor; ``seed`` selects the rounding noise."""
+        codes, stats = ops.quantize_pack(dense, bits, self.group_size, seed)
+        return QuantizedTensor(codes, stats, bits, self.group_size, dense.shape, dense.dtype)

@@ -1,0 +1,42 @@
+"""The validated settings of activation compression: one place that checks every knob."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_act.ops.reference import SUPPORTED_BITS, check_quant_args
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """How saved activations are stored.
+
+    Args:
+        bits: bits per stored value, one of 1, 2, 4, 8.
+        group_size: consecutive values that share one (low, step) pair, a power of two in
+            [8, 65536]. Smaller groups track the data more closely and cost more statistics:
+            each group adds 32 bits.
+        min_numel: tensors with fewer elements are kept as they are; compressing them saves
+            little and costs a kernel launch each.
+        seed: seeds the rounding noise. The noise has its own counter-based stream, so
+            compression never draws from (or shifts) torch's global random generator.
+
+    Raises:
+        ValueError: a setting is out of range; the message names it and what is allowed.
+    """
+
+    bits: int = 2
+    group_size: int = 256
+    min_numel: int = 2048
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits={self.bits!r} is not supported; allowed: {', '.join(map(str, SUPPORTED_BITS))}")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
+            raise ValueError(f"group_size={self.group_size!r} must be an int, a power of two in [8, 65536]")
+        check_quant_args(self.bits, self.group_size)
+        if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
+            raise ValueError(f"min_numel={self.min_numel!r} must be an int >= 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**63)")

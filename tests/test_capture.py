@@ -1,0 +1,303 @@
+"""The capture engine: byte accounting, parameter exclusion, dedup, layouts, safety."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_act import ActivationCapture, CompressionConfig, compress_activations
+from lightning_act.capture import OUTSIDE_MODULES
+
+G = 256
+
+
+def quant_bytes(numel: int, bits: int, group_size: int = G) -> int:
+    groups = -(-numel // group_size)
+    return groups * group_size * bits // 8 + groups * 4
+
+
+def grads_of(model, loss_fn):
+    model.zero_grad()
+    loss_fn().backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+class MLP(nn.Module):
+    def __init__(self, width=512):
+        super().__init__()
+        self.fc1 = nn.Linear(64, width)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(width, 10)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def test_exact_byte_accounting_and_attribution():
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(32, 64)
+    with compress_activations(model, inputs=x, bits=2) as capture:
+        loss = model(x).square().mean()
+    report = capture.report
+    hidden = 32 * 512
+    # fc1 saves x (the input batch: alive anyway, uncounted) and its weight (a parameter).
+    # ReLU saves its output, which fc2 saves again: one storage, one compressed copy.
+    assert report.counts["compressed"] == 1
+    assert report.counts["deduplicated"] == 1
+    assert report.counts["external"] == 1
+    assert report.modules["act"].saved_bytes == hidden * 4
+    assert report.modules["act"].stored_bytes == quant_bytes(hidden, 2)
+    assert report.modules["fc2"].stored_bytes == 0
+    # the MSE saves fc2's output (320 values, below min_numel): kept and counted as is
+    assert report.modules[OUTSIDE_MODULES].saved_bytes == report.modules[OUTSIDE_MODULES].stored_bytes == 32 * 10 * 4
+    assert report.saved_bytes == hidden * 4 + 320 * 4
+    assert report.stored_bytes == quant_bytes(hidden, 2) + 320 * 4
+    loss.backward()
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_stored_bytes_match_allocations(bits):
+    x = torch.randn(3, 1000, requires_grad=True)
+    with compress_activations(inputs=None, bits=bits) as capture:
+        y = (x * 2).sin()  # sin saves its input, a fresh 3000-value tensor
+    assert capture.report.stored_bytes == quant_bytes(3000, bits)
+    y.sum().backward()
+
+
+def test_parameters_and_their_views_are_never_compressed():
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(32, 64)
+    reference = grads_of(model, lambda: model(x).square().mean())
+    with compress_activations(model, inputs=x, bits=8) as capture:
+        loss = model(x).square().mean()
+    # fc2 saves fc2.weight.t() for its input gradient; fc1 needs none (x needs no grad)
+    assert capture.report.counts["parameter"] == 1
+    model.zero_grad()
+    loss.backward()
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert rel_err(got, reference) < 1e-2
+
+
+def test_autocast_weight_copies_are_recast_exactly_not_stored():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+    x = torch.randn(64, 256)
+
+    def loss_fn():
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            return model(x).float().square().mean()
+
+    # min_numel above every activation: only the weight copies are handled, and exactly.
+    reference = grads_of(model, loss_fn)
+    with compress_activations(model, inputs=x, bits=2, min_numel=10**9) as capture:
+        loss = loss_fn()
+    # the second Linear saves its weight copy for the input gradient; the first needs none
+    assert capture.report.counts["recast"] == 1
+    weight_copies = 256 * 256 * 2
+    activations = capture.report.saved_bytes - weight_copies
+    assert capture.report.stored_bytes == activations
+    model.zero_grad()
+    loss.backward()
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert torch.equal(got, reference)
+
+
+def test_recast_refuses_a_weight_changed_in_place():
+    model = nn.Linear(128, 128)
+    x = torch.randn(16, 128, requires_grad=True)  # its gradient needs the weight copy
+    with compress_activations(model, inputs=x, bits=2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().sum()
+    with torch.no_grad():
+        model.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        loss.backward()
+
+
+def test_compression_happens_at_pack_time_so_in_place_changes_are_harmless():
+    torch.manual_seed(0)
+    w = torch.randn(4096, requires_grad=True)
+
+    def run(modify):
+        h = w * 3
+        y = h.sin()  # saves h
+        if modify:
+            with torch.no_grad():
+                h.add_(100.0)  # without hooks autograd would refuse; with them it must not matter
+        return y
+
+    capture = ActivationCapture(CompressionConfig(bits=2))
+    grads = []
+    for modify in (False, True):
+        with capture.capturing(seed=7):  # the same rounding noise for both runs
+            y = run(modify)
+        grads.append(torch.autograd.grad(y.sum(), w)[0])
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_inplace_relu_versions_are_not_confused():
+    """One storage saved at two versions is stored twice; the same version once."""
+    torch.manual_seed(0)
+    w = (0.3 * torch.randn(8192)).requires_grad_()
+
+    def run(inplace):
+        e = (w * 2).exp()  # exp saves its output e (version 0)
+        r = e.sub_(1.5).relu_() if inplace else torch.relu(e - 1.5)  # relu saves e again (version 2)
+        return r.sin().sum()  # sin saves the same version as relu: stored once
+
+    (g_ref,) = torch.autograd.grad(run(inplace=False), w)
+    with compress_activations(bits=8) as capture:
+        loss = run(inplace=True)
+    (g,) = torch.autograd.grad(loss, w)
+    assert capture.report.counts == {"compressed": 2, "deduplicated": 1}
+    assert rel_err(g, g_ref) < 1e-2
+
+
+def test_dedup_is_not_fooled_by_a_reused_address():
+    """Freed storage handed to a new tensor of the same shape must not hit the cache."""
+    torch.manual_seed(0)
+    w = torch.randn(16384, requires_grad=True)
+    scales = [0.5, -0.3, 0.2, 0.4]
+
+    def run():
+        total = 0
+        for s in scales:
+            h = w * s
+            total = total + h.sin().sum()  # sin saves h; h dies after compression
+            del h
+        return total
+
+    (g_ref,) = torch.autograd.grad(run(), w)
+    with compress_activations(bits=8) as capture:
+        loss = run()
+    (g,) = torch.autograd.grad(loss, w)
+    assert capture.report.counts.get("deduplicated", 0) == 0
+    assert rel_err(g, g_ref) < 1e-2
+
+
+def test_retain_graph_and_double_backward():
+    torch.manual_seed(0)
+    x = (0.5 * torch.randn(64, 128)).requires_grad_()
+
+    def run():
+        return (x * 1.5).tanh().pow(2).sum()
+
+    (g_ref,) = torch.autograd.grad(run(), x, create_graph=True)
+    (gg_ref,) = torch.autograd.grad(g_ref.sum(), x)
+    with compress_activations(bits=8):
+        loss = run()
+    g1 = torch.autograd.grad(loss, x, retain_graph=True)[0]
+    g2, = torch.autograd.grad(loss, x, create_graph=True)
+    assert torch.equal(g1, g2)  # decoding twice gives the same tensor
+    (gg,) = torch.autograd.grad(g2.sum(), x)
+    assert rel_err(g2, g_ref) < 1e-2
+    assert rel_err(gg, gg_ref) < 2e-2
+
+
+def test_layouts_are_restored():
+    torch.manual_seed(0)
+    cl = torch.randn(4, 16, 8, 8).to(memory_format=torch.channels_last).requires_grad_()
+    base = torch.randn(1, 64, 1, requires_grad=True)
+
+    with compress_activations(bits=8) as capture:
+        a = (cl * 1.0).sin()  # channels_last saved tensor
+        b = (base * 1.0).expand(32, 64, 16).cos()  # expanded: stride 0
+    unpacked_a = a.grad_fn._saved_self  # runs the unpack hook
+    unpacked_b = b.grad_fn._saved_self
+    assert unpacked_a.stride() == cl.stride()
+    assert unpacked_b.stride() == (0, 1, 0)
+    assert unpacked_b.shape == (32, 64, 16)
+    # the expanded tensor is stored once: 64 values, below min_numel, so kept as is
+    assert capture.report.counts["compressed"] == 1
+
+
+def test_partial_views_are_compressed():
+    torch.manual_seed(0)
+    w = torch.randn(32, 3 * 1024, requires_grad=True)
+    with compress_activations(bits=4) as capture:
+        qkv = w * 1.0
+        q, k, v = qkv.split(1024, dim=1)
+        out = (q.sin() + k.cos() + v.sin()).sum()  # each saves its input slice
+    assert capture.report.counts["compressed"] == 3
+    # one storage, counted once on the saved side; three compressed slices
+    assert capture.report.saved_bytes == 32 * 3 * 1024 * 4
+    assert capture.report.stored_bytes == 3 * quant_bytes(32 * 1024, 4)
+    out.backward()
+
+
+def test_nonfinite_activations_are_counted_and_decode_to_nan():
+    x = torch.randn(4096, requires_grad=True)
+    with compress_activations(bits=2) as capture:
+        h = x * 1.0
+        with torch.no_grad():
+            h[300] = float("inf")
+        y = h.sin().sum()
+    assert int(capture.report.nonfinite_groups) == 1
+    y.backward()
+    nan = torch.isnan(x.grad)
+    assert nan[256:512].all() and not nan[:256].any() and not nan[512:].any()
+
+
+def test_hooks_are_popped_on_exception():
+    model = MLP()
+    x = torch.randn(8, 64)
+    capture = ActivationCapture(CompressionConfig(bits=2, min_numel=1), model)
+    with pytest.raises(ZeroDivisionError):
+        with capture.capturing(inputs=x):
+            model(x)
+            raise ZeroDivisionError
+    assert not capture.active
+    reference = grads_of(model, lambda: model(x).sum())
+    again = grads_of(model, lambda: model(x).sum())  # a plain step afterwards is untouched
+    assert torch.equal(reference, again)
+
+
+def test_global_random_stream_is_untouched():
+    x = torch.randn(64, 512, requires_grad=True)
+    torch.manual_seed(123)
+    with compress_activations(bits=2):
+        (x * 2).sin().sum()
+    after_compression = torch.rand(4)
+    torch.manual_seed(123)
+    assert torch.equal(after_compression, torch.rand(4))
+
+
+def test_bf16_activations():
+    torch.manual_seed(0)
+    x = torch.randn(64, 512, dtype=torch.bfloat16, requires_grad=True)
+    (g_ref,) = torch.autograd.grad((x * 2).sin().float().sum(), x)
+    with compress_activations(bits=8) as capture:
+        y = (x * 2).sin().float().sum()
+    (g,) = torch.autograd.grad(y, x)
+    assert g.dtype == torch.bfloat16
+    assert capture.report.stored_bytes == quant_bytes(64 * 512, 8)
+    assert rel_err(g.float(), g_ref.float()) < 2e-2
+
+
+def test_reentrant_recompute_inside_backward_passes_through():
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(16, 64, requires_grad=True)  # reentrant checkpointing needs a grad input
+    reference = grads_of(model, lambda: model(x).sum())
+    with compress_activations(model, inputs=x, bits=8):
+        loss = checkpoint(model, x, use_reentrant=True).sum()
+        model.zero_grad()
+        loss.backward()  # recompute happens inside backward, while the hooks are installed
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert torch.allclose(got, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_keyword_and_config_are_exclusive():
+    with pytest.raises(ValueError, match="either config or keyword"):
+        compress_activations(config=CompressionConfig(), bits=2)
+    with pytest.raises(ValueError, match="bits=3"):
+        CompressionConfig(bits=3)
+    with pytest.raises(ValueError, match="group_size=100"):
+        CompressionConfig(group_size=100)
