@@ -1,19 +1,27 @@
-"""The Lightning callback: compresses the activations of every training forward."""
+"""The Lightning callback: compresses the activations of every training forward and, with
+an adaptive policy, recalibrates the bits of each saved tensor every N steps."""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_act.capture import ActivationCapture, CompressionReport, splitmix64
 from lightning_act.config import CompressionConfig
+from lightning_act.monitor import log_allocation, module_mean_bits
 from lightning_act.ops import ensure_kernels
+from lightning_act.policy import AdaptiveBits, FixedBits
+from lightning_act.policy.estimators import GradientSensitivity, probe_sensitivities
 
 LOG_PREFIX = "act"
+ESTIMATORS = ("gradient", "probe")
 
 
 class ActCompression(Callback):
@@ -25,13 +33,30 @@ class ActCompression(Callback):
     test are never touched. Every ``log_every_n_steps`` the memory figures of the last
     training step go to the trainer's loggers under ``act/``.
 
+    With ``budget`` set, each saved tensor gets its own bits (1, 2, 4, 8 or exact) chosen to
+    minimise the estimated gradient variance at that average: the allocation is solved
+    after ``warmup_steps`` and again every ``recalibrate_every_n_steps``, logged per module,
+    and saved in checkpoints.
+
     Args:
-        bits: bits per stored value, one of 1, 2, 4, 8.
+        bits: bits per stored value for every tensor (fixed policy): 1, 2, 4 or 8.
+        budget: average bits per value for the adaptive policy (fractional allowed, 1 to
+            8); per-group statistics count, so ``budget=2`` stores what ``bits=2`` stores.
+            Mutually exclusive with a non-default ``bits``.
+        rules: per-module overrides by qualified-name pattern, e.g.
+            ``{"conv1": 8, "fc": "exact", "blocks.*.attn*": 8}``; first match wins.
         group_size: consecutive values sharing one (low, step) pair, a power of two in
             [8, 65536].
         min_numel: saved tensors with fewer elements are kept as they are.
         seed: seeds the rounding noise, which has its own stream: turning compression on
             never changes the user's random numbers (dropout masks, data order).
+        estimator: how the adaptive policy measures sensitivity: ``"gradient"`` reuses the
+            normal training steps (no extra passes); ``"probe"`` runs GACT's probes, one
+            extra backward per saved tensor on ``probe_samples`` samples of the batch.
+        recalibrate_every_n_steps: optimizer steps between recalibrations.
+        warmup_steps: optimizer steps at the default bits before the first calibration.
+        calibration_steps: training steps whose statistics feed one ``"gradient"`` estimate.
+        probe_samples: batch rows the ``"probe"`` estimator uses.
 
     Raises:
         ValueError: a setting is out of range; the message names it and what is allowed.
@@ -39,26 +64,88 @@ class ActCompression(Callback):
     Example::
 
         trainer = Trainer(callbacks=[ActCompression(bits=2)])
+        trainer = Trainer(callbacks=[ActCompression(budget=3, rules={"fc": "exact"})])
     """
 
-    def __init__(self, bits: int = 2, group_size: int = 256, min_numel: int = 2048, seed: int = 0):
+    def __init__(
+        self,
+        bits: int = 2,
+        budget: float | None = None,
+        rules: dict[str, int | str] | None = None,
+        group_size: int = 256,
+        min_numel: int = 2048,
+        seed: int = 0,
+        estimator: Literal["gradient", "probe"] = "probe",
+        recalibrate_every_n_steps: int = 1000,
+        warmup_steps: int = 20,
+        calibration_steps: int = 4,
+        probe_samples: int = 8,
+    ):
         super().__init__()
         self.config = CompressionConfig(bits=bits, group_size=group_size, min_numel=min_numel, seed=seed)
+        if budget is not None and bits != 2:
+            raise ValueError(f"bits={bits!r} and budget={budget!r}: set bits for a fixed policy or budget for an adaptive one")
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator={estimator!r} is not supported; allowed: {', '.join(ESTIMATORS)}")
+        for knob, value, least in (
+            ("recalibrate_every_n_steps", recalibrate_every_n_steps, 1),
+            ("warmup_steps", warmup_steps, 0),
+            ("calibration_steps", calibration_steps, 1),
+            ("probe_samples", probe_samples, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{knob}={value!r} must be an int >= {least}")
+        self.policy = FixedBits(bits, rules) if budget is None else AdaptiveBits(budget, rules=rules)
+        self.estimator = estimator
+        self.recalibrate_every_n_steps = recalibrate_every_n_steps
+        self.warmup_steps = warmup_steps
+        self.calibration_steps = calibration_steps
+        self.probe_samples = probe_samples
         self.capture: ActivationCapture | None = None
         self.last_report = CompressionReport()
+        self.sensitivity: dict[str, float] = {}
+        self.recalibration_ms = 0.0
+        self._next_calibration = warmup_steps
+        self._calibration_end: int | None = None
+        self._gradient_estimate: GradientSensitivity | None = None
+        self._history: list[dict[str, float]] = []
+        self._history_steps: list[int] = []
+        self._fit_started = 0.0
         self._warned_nonfinite = False
 
+    @property
+    def adaptive(self) -> bool:
+        return isinstance(self.policy, AdaptiveBits)
+
+    # ----------------------------------------------------------------- lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self.capture = ActivationCapture(self.config, pl_module)
+        self.capture = ActivationCapture(self.config, pl_module, self.policy)
         ensure_kernels(trainer.strategy.root_device)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fit_started = time.perf_counter()
+        if self.adaptive and self.estimator == "probe" and not pl_module.automatic_optimization:
+            rank_zero_warn(
+                "lightning_act: estimator='probe' needs automatic optimization (it calls training_step on a "
+                "slice of the batch); using estimator='gradient' instead."
+            )
+            self.estimator = "gradient"
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         if self.capture is None:
             return
+        if self.adaptive and self._calibration_end is None and trainer.global_step >= self._next_calibration:
+            if self.estimator == "probe":
+                self._recalibrate_by_probes(trainer, pl_module, batch, batch_idx)
+            else:
+                self._gradient_estimate = GradientSensitivity()
+                self._calibration_end = trainer.global_step + self.calibration_steps
+        self.capture.estimator = self._gradient_estimate
         # Reproducible per step and distinct per rank and micro-batch: resuming a run
         # replays the same rounding noise, and ranks do not share (correlated) noise.
         stream = splitmix64((trainer.global_step << 24) ^ (batch_idx << 8) ^ trainer.global_rank)
@@ -90,20 +177,14 @@ class ActCompression(Callback):
             on_epoch=False,
             batch_size=1,
         )
+        if self._calibration_end is not None and trainer.global_step >= self._calibration_end:
+            started = time.perf_counter()
+            sensitivity = self._gradient_estimate.sensitivities()
+            self._gradient_estimate = None
+            self.capture.estimator = None
+            self._solve(trainer, sensitivity, started)
         if (trainer.global_step + 1) % max(trainer.log_every_n_steps, 1) == 0:
             self._report_nonfinite(pl_module)
-
-    def _report_nonfinite(self, pl_module: pl.LightningModule) -> None:
-        # Reading the device counter synchronizes, so it happens at logging steps only.
-        total = int(self.capture.total_nonfinite_groups)
-        pl_module.log(f"{LOG_PREFIX}/nonfinite_groups", float(total), on_step=True, on_epoch=False, batch_size=1)
-        if total and not self._warned_nonfinite:
-            self._warned_nonfinite = True
-            rank_zero_warn(
-                f"lightning_act: {total} groups of saved activations held NaN or Inf so far; they are stored "
-                "as NaN (never as finite values), so the affected gradients are NaN as they would be without "
-                "compression. Check the model for overflow (e.g. fp16 without loss scaling)."
-            )
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -119,3 +200,112 @@ class ActCompression(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.capture is not None:
             self.capture.stop()
+
+    # ----------------------------------------------------------------- recalibration
+    def _recalibrate_by_probes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        started = time.perf_counter()
+        sample = _leading_rows(batch, self.probe_samples)
+        params = [p for p in pl_module.parameters() if p.requires_grad]
+        buffers = {name: b.detach().clone() for name, b in pl_module.named_buffers()}
+        devices = [trainer.strategy.root_device] if trainer.strategy.root_device.type == "cuda" else []
+        was_training = pl_module.training
+
+        def loss_fn() -> torch.Tensor:
+            with trainer.precision_plugin.train_step_context(), _muted_logging(pl_module):
+                out = pl_module.training_step(sample, batch_idx)
+            return out["loss"] if isinstance(out, Mapping) else out
+
+        # The probes must leave no trace: the random stream (dropout), BatchNorm running
+        # statistics and .grad (gradient accumulation) are exactly as they were.
+        with torch.random.fork_rng(devices=devices):
+            sensitivity = probe_sensitivities(self.capture, loss_fn, params, inputs=sample)
+        with torch.no_grad():
+            for name, b in pl_module.named_buffers():
+                b.copy_(buffers[name])
+        pl_module.train(was_training)
+        self._solve(trainer, sensitivity, started)
+
+    def _solve(self, trainer: pl.Trainer, sensitivity: dict[str, float], started: float) -> None:
+        slots = self.capture.slots
+        assignment = self.policy.update(sensitivity, slots) if trainer.is_global_zero else None
+        # Every rank must store the same tensors at the same bits: rank zero decides.
+        assignment = trainer.strategy.broadcast(assignment, src=0)
+        self.policy.assignment = dict(assignment)
+        self.sensitivity = sensitivity
+        self._calibration_end = None
+        self._next_calibration = trainer.global_step + self.recalibrate_every_n_steps
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        self.recalibration_ms += elapsed_ms
+        self._history.append(module_mean_bits(self.policy.assignment, slots))
+        self._history_steps.append(trainer.global_step)
+        if trainer.is_global_zero:
+            training_ms = max((time.perf_counter() - self._fit_started) * 1e3, 1e-9)
+            log_allocation(
+                trainer.loggers,
+                LOG_PREFIX,
+                trainer.global_step,
+                self.policy.assignment,
+                slots,
+                sensitivity,
+                self.last_report,
+                self._history,
+                self._history_steps,
+                {
+                    "recalibration_ms": elapsed_ms,
+                    "recalibration_pct": 100.0 * self.recalibration_ms / training_ms,
+                },
+            )
+
+    def _report_nonfinite(self, pl_module: pl.LightningModule) -> None:
+        # Reading the device counter synchronizes, so it happens at logging steps only.
+        total = int(self.capture.total_nonfinite_groups)
+        pl_module.log(f"{LOG_PREFIX}/nonfinite_groups", float(total), on_step=True, on_epoch=False, batch_size=1)
+        if total and not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            rank_zero_warn(
+                f"lightning_act: {total} groups of saved activations held NaN or Inf so far; they are stored "
+                "as NaN (never as finite values), so the affected gradients are NaN as they would be without "
+                "compression. Check the model for overflow (e.g. fp16 without loss scaling)."
+            )
+
+    # ----------------------------------------------------------------- checkpointing
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"next_calibration": self._next_calibration}
+        if self.adaptive:
+            state["policy"] = self.policy.state_dict()
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._next_calibration = int(state_dict.get("next_calibration", self._next_calibration))
+        if self.adaptive and "policy" in state_dict:
+            self.policy.load_state_dict(state_dict["policy"])
+
+
+def _leading_rows(batch: Any, rows: int) -> Any:
+    """The first ``rows`` samples of every tensor in a batch (a graph batch stays whole)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:rows] if batch.dim() else batch
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _leading_rows(v, rows) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_leading_rows(v, rows) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_leading_rows(v, rows) for v in batch)
+    return batch
+
+
+class _muted_logging:
+    """Silence ``self.log`` while training_step runs for a probe (its values are not real)."""
+
+    def __init__(self, module: pl.LightningModule):
+        self.module = module
+
+    def __enter__(self):
+        self.module.log = lambda *args, **kwargs: None
+        self.module.log_dict = lambda *args, **kwargs: None
+
+    def __exit__(self, *exc):
+        del self.module.log
+        del self.module.log_dict

@@ -16,6 +16,7 @@ Lightning callback is a thin scheduler around it. The decision for one saved ten
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lightning_act.codecs import GroupQuantCodec
 from lightning_act.config import CompressionConfig
 from lightning_act.ops import count_nonfinite_groups
+from lightning_act.policy import BitPolicy, FixedBits, SlotInfo
+from lightning_act.policy.bits import bits_name
+from lightning_act.policy.estimators import GradientSensitivity
 
 OUTSIDE_MODULES = "<outside modules>"
 
@@ -71,6 +75,22 @@ class ModuleMemory:
     stored_bytes: int = 0
     tensors: int = 0
     compressed: int = 0
+    bits: set = field(default_factory=set)
+
+    def bits_label(self) -> str:
+        """The bit widths used, e.g. ``"2"`` or ``"2,8,exact"`` (``-`` when none applied)."""
+        return ",".join(bits_name(b) for b in sorted(self.bits, key=lambda b: 99 if b is None else b)) or "-"
+
+
+@dataclass
+class SlotMemory:
+    """One stored tensor: where it was saved, its shape, bits and bytes."""
+
+    module: str
+    shape: tuple[int, ...]
+    bits: int | None
+    saved_bytes: int
+    stored_bytes: int
 
 
 @dataclass
@@ -86,6 +106,7 @@ class CompressionReport:
     saved_bytes: int = 0
     stored_bytes: int = 0
     modules: dict[str, ModuleMemory] = field(default_factory=dict)
+    slots: dict[str, SlotMemory] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     nonfinite_groups: torch.Tensor | int = 0
 
@@ -98,12 +119,12 @@ class CompressionReport:
         """A fixed-width table of the modules that save the most, then the totals."""
         rows = sorted(self.modules.items(), key=lambda kv: kv[1].saved_bytes, reverse=True)
         width = max([len("module")] + [len(name) for name, _ in rows[:max_modules]])
-        lines = [f"{'module':<{width}}  {'saved MiB':>10}  {'stored MiB':>10}  {'ratio':>7}  {'tensors':>7}"]
+        lines = [f"{'module':<{width}}  {'saved MiB':>10}  {'stored MiB':>10}  {'ratio':>7}  {'tensors':>7}  bits"]
         for name, m in rows[:max_modules]:
             ratio = m.saved_bytes / m.stored_bytes if m.stored_bytes else float("inf")
             lines.append(
                 f"{name:<{width}}  {m.saved_bytes / 2**20:>10.3f}  {m.stored_bytes / 2**20:>10.3f}"
-                f"  {ratio:>6.2f}x  {m.tensors:>7}"
+                f"  {ratio:>6.2f}x  {m.tensors:>7}  {m.bits_label()}"
             )
         if len(rows) > max_modules:
             lines.append(f"... {len(rows) - max_modules} more modules")
@@ -223,13 +244,53 @@ def _source_parameter(t: torch.Tensor) -> tuple[nn.Parameter | None, bool]:
     return variable, exact
 
 
+class _ProbeRecord:
+    """Probe mode: the exact tensor, quantized at unpack only when its slot is probed."""
+
+    __slots__ = ("probe", "slot", "saved")
+
+    def __init__(self, probe: _Probe, slot: str, saved: torch.Tensor):
+        self.probe = probe
+        self.slot = slot
+        self.saved = saved
+
+    def unpack(self) -> torch.Tensor:
+        if self.probe.noisy_slot != self.slot:
+            return self.saved
+        dense, layout = _Layout.dense_view(self.saved)
+        record = self.probe.codec.pack(dense, self.probe.bits, self.probe.next_seed())
+        return layout.restore(record.unpack())
+
+
+class _Probe:
+    """The handle :meth:`ActivationCapture.probing` yields: which slot is quantized now."""
+
+    def __init__(self, codec: GroupQuantCodec, seed: int):
+        self.codec = codec
+        self.slots: list[str] = []
+        self.noisy_slot: str | None = None
+        self.bits = 2
+        self._seed = seed
+        self._draws = 0
+
+    def quantize_only(self, slot: str | None, bits: int) -> None:
+        """Quantize ``slot`` alone at ``bits`` in the following backward passes."""
+        self.noisy_slot = slot
+        self.bits = bits
+
+    def next_seed(self) -> int:
+        self._draws += 1
+        return splitmix64(self._seed + self._draws) >> 1
+
+
 class ActivationCapture:
     """Compresses what autograd saves while a forward runs inside :meth:`capturing`.
 
     Args:
-        config: bits, group size, size threshold and seed.
+        config: group size, size threshold and seed (and the bits of the default policy).
         model: names the modules in the report (qualified names); without it, modules are
             named by class. Its parameters and buffers are never compressed either way.
+        policy: decides each saved tensor's bits; default ``FixedBits(config.bits)``.
 
     Example::
 
@@ -240,19 +301,30 @@ class ActivationCapture:
         print(capture.report.summary())
     """
 
-    def __init__(self, config: CompressionConfig | None = None, model: nn.Module | None = None):
+    def __init__(
+        self,
+        config: CompressionConfig | None = None,
+        model: nn.Module | None = None,
+        policy: BitPolicy | None = None,
+    ):
         self.config = config or CompressionConfig()
         self.codec = GroupQuantCodec(self.config.group_size)
+        self.policy = policy or FixedBits(self.config.bits)
         self.model = model
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         if model is not None:
             for name, module in model.named_modules():
                 self._names[module] = name or type(module).__name__
+        #: Every slot seen so far, with what the policy needs to allocate bits to it.
+        self.slots: dict[str, SlotInfo] = {}
+        #: Set by the caller for the sessions whose statistics feed a recalibration.
+        self.estimator: GradientSensitivity | None = None
         self.report = CompressionReport()
         self.total_nonfinite_groups: torch.Tensor | int = 0
         self._sessions = 0
         self._active = False
         self._paused = False
+        self._probe: _Probe | None = None
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._module_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._stack: list[str] = []
@@ -263,7 +335,8 @@ class ActivationCapture:
         self.report = CompressionReport()
         self._seed = seed
         self._packs = 0
-        self._dedup: dict[tuple, tuple[StorageWeakRef, _Compressed]] = {}
+        self._slot_counts: dict[str, int] = {}
+        self._dedup: dict[tuple, tuple[StorageWeakRef, Any]] = {}
         self._saved_storages: dict[int, StorageWeakRef] = {}
         self._kept_storages: dict[int, StorageWeakRef] = {}
         self._external: dict[int, StorageWeakRef] = {}
@@ -332,6 +405,18 @@ class ActivationCapture:
         """Context manager around :meth:`start` / :meth:`stop` (stops on exceptions too)."""
         return _CaptureContext(self, inputs, seed)
 
+    @contextlib.contextmanager
+    def probing(self, inputs: Any = None, seed: int = 0):
+        """Probe mode for sensitivity estimation: tensors that would be compressed are kept
+        exact, and the yielded handle chooses which one slot is quantized at unpack."""
+        probe = _Probe(self.codec, seed)
+        self._probe = probe
+        try:
+            with self.capturing(inputs, seed):
+                yield probe
+        finally:
+            self._probe = None
+
     def mark_external(self, obj: Any) -> None:
         """Declare tensors alive for the whole step: they are saved as they are, uncounted."""
         if isinstance(obj, torch.Tensor):
@@ -351,8 +436,11 @@ class ActivationCapture:
         self._stack.append(self._names.get(module) or type(module).__name__)
 
     def _leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._stack:
-            self._stack.pop()
+        if not self._stack:
+            return
+        name = self._stack.pop()
+        if self.estimator is not None and isinstance(output, torch.Tensor) and not self._paused:
+            self.estimator.observe_output(name, output)
 
     # ----------------------------------------------------------------- the pack hook
     @staticmethod
@@ -360,7 +448,7 @@ class ActivationCapture:
         ref = table.get(ptr)
         return ref is not None and not ref.expired()
 
-    def _account(self, module: str, t: torch.Tensor, decision: str, stored: int) -> None:
+    def _account(self, module: str, t: torch.Tensor, decision: str, stored: int) -> ModuleMemory:
         """Add one saved tensor to the report; its storage counts once however often saved."""
         report = self.report
         report.counts[decision] = report.counts.get(decision, 0) + 1
@@ -374,15 +462,25 @@ class ActivationCapture:
             nbytes = t.untyped_storage().nbytes()
             report.saved_bytes += nbytes
             stats.saved_bytes += nbytes
-        if decision == "kept":
+        if decision in ("kept", "exact"):
             if self._live(self._kept_storages, ptr):
-                return
+                return stats
             self._kept_storages[ptr] = ref
             stored = t.untyped_storage().nbytes()
         elif decision == "compressed":
             stats.compressed += 1
         report.stored_bytes += stored
         stats.stored_bytes += stored
+        return stats
+
+    def _count_uncounted(self, decision: str) -> None:
+        """Count a tensor that stays alive anyway: it is in neither byte total."""
+        self.report.counts[decision] = self.report.counts.get(decision, 0) + 1
+
+    def _next_slot(self, module: str) -> str:
+        index = self._slot_counts.get(module, 0)
+        self._slot_counts[module] = index + 1
+        return f"{module}#{index}"
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self._paused or torch._C._current_graph_task_id() != -1 or torch.compiler.is_compiling():
@@ -415,17 +513,40 @@ class ActivationCapture:
             self._account(module, t, "kept", 0)
             return t.detach()
         dense, layout = laid_out
-        self._packs += 1
-        record = self.codec.pack(dense, self.config.bits, splitmix64(self._seed + self._packs) >> 1)
-        self._stats.append(record.stats)
-        saved = _Compressed(record, layout)
+        slot = self._next_slot(module)
+        self.slots[slot] = SlotInfo(
+            module=module,
+            shape=tuple(t.shape),
+            numel=dense.numel(),
+            groups=-(-dense.numel() // self.config.group_size),
+            element_bits=dense.element_size() * 8,
+        )
+        if self._probe is not None:
+            self._probe.slots.append(slot)
+            saved = _ProbeRecord(self._probe, slot, t.detach())
+            self._account(module, t, "exact", 0)
+        else:
+            saved = self._store(t, dense, layout, slot, module)
         self._dedup[key] = (StorageWeakRef(t.untyped_storage()), saved)
-        self._account(module, t, "compressed", record.nbytes)
         return saved
 
-    def _count_uncounted(self, decision: str) -> None:
-        """Count a tensor that stays alive anyway: it is in neither byte total."""
-        self.report.counts[decision] = self.report.counts.get(decision, 0) + 1
+    def _store(self, t: torch.Tensor, dense: torch.Tensor, layout: _Layout, slot: str, module: str) -> Any:
+        bits = self.policy.bits_for(slot, module)
+        dense_bytes = dense.numel() * dense.element_size()
+        if bits is None:
+            memory = self._account(module, t, "exact", 0)
+            memory.bits.add(None)
+            self.report.slots[slot] = SlotMemory(module, tuple(t.shape), None, dense_bytes, dense_bytes)
+            return t.detach()
+        self._packs += 1
+        record = self.codec.pack(dense, bits, splitmix64(self._seed + self._packs) >> 1)
+        self._stats.append(record.stats)
+        if self.estimator is not None:
+            self.estimator.observe_stats(slot, module, record.stats, bits, self.codec.group_size)
+        memory = self._account(module, t, "compressed", record.nbytes)
+        memory.bits.add(bits)
+        self.report.slots[slot] = SlotMemory(module, tuple(t.shape), bits, dense_bytes, record.nbytes)
+        return _Compressed(record, layout)
 
 
 class _CaptureContext:

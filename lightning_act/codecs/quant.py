@@ -47,5 +47,6 @@ class GroupQuantCodec:
 
     def pack(self, dense: torch.Tensor, bits: int, seed: int) -> QuantizedTensor:
         """Quantize a contiguous float tensor; ``seed`` selects the rounding noise."""
-        codes, stats = ops.quantize_pack(dense, bits, self.group_size, seed)
+        # detached: the record must not hold the autograd graph of what it stores
+        codes, stats = ops.quantize_pack(dense.detach(), bits, self.group_size, seed)
         return QuantizedTensor(codes, stats, bits, self.group_size, dense.shape, dense.dtype)

@@ -13,7 +13,7 @@ Storage format of ``quantize_pack`` (shared with ``csrc/quant_math.h``):
 * ``stats[g] = (low, step)`` in bfloat16. ``low`` is rounded down and ``step`` up from their
   float32 values, so every value of the group lies inside ``[low, low + levels * step]`` and
   stochastic rounding stays unbiased. bfloat16 rather than float16 because it has float32's
-  range: no activation can overflow its statistics;
+  range;
 * a *plain* group encodes ``x`` as ``floor((x - low) / step + u)``, ``u ~ U[0, 1)``, codes
   ``0 .. 2**bits - 1``;
 * a *zero-preserving* group (``bits >= 2``, no negative value and at least one exact zero,
@@ -22,8 +22,9 @@ Storage format of ``quantize_pack`` (shared with ``csrc/quant_math.h``):
   an op that later uses the sign of the tensor (ReLU's backward, ``x > 0`` masks) sees
   exactly the mask it saw in forward, while values stay unbiased. Its ``step`` is stored
   with the sign bit set, which is how ``unpack_dequantize`` recognises it;
-* a group holding NaN or Inf stores NaN statistics: it decodes to NaN, so a non-finite
-  activation can never turn into a finite, silently wrong gradient. Such groups are counted
+* a group holding NaN or Inf (or spanning more than float32 can represent) stores NaN
+  statistics: it decodes to NaN, so a non-finite activation can never turn into a finite,
+  silently wrong gradient. Such groups are counted
   by the caller (``count_nonfinite_groups``).
 * codes are bit-packed little-endian: value ``i`` of the tensor sits in byte
   ``i * bits // 8`` at bit offset ``i * bits % 8``.
@@ -34,6 +35,7 @@ from __future__ import annotations
 import torch
 
 SUPPORTED_BITS = (1, 2, 4, 8)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MASK32 = 0xFFFFFFFF
 # Elements per pass of the reference: bounds its int64 temporaries, and as a power of two
 # that divides 2**32 it keeps the high half of every element index constant within a pass.
@@ -101,6 +103,8 @@ def _quantize_chunk(x: torch.Tensor, bits: int, group_size: int, seed: int, star
     low_r = low_bits.view(torch.float32)
     step_bits = _bf16_bits_rounded(((gmax - low_r) / levels).contiguous(), upward=True)
     step_r = step_bits.view(torch.float32)
+    # a group spanning more than float32 can hold is stored as NaN, like a non-finite one
+    finite &= torch.isfinite(low_r) & torch.isfinite(step_r)
 
     q = (g - low_r[:, None]) / step_r[:, None]
     q = torch.where(step_r[:, None] > 0, q, 0.0)
@@ -159,6 +163,10 @@ def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tup
         ``codes``: uint8 ``[groups * group_size * bits // 8]``; ``stats``: bfloat16 ``[groups, 2]``.
     """
     check_quant_args(bits, group_size)
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"quantize_pack: input dtype {x.dtype} is not supported; allowed: float32, float16, bfloat16")
+    if not x.is_contiguous():
+        raise ValueError("quantize_pack: input must be contiguous")
     flat = x.reshape(-1)
     n = flat.numel()
     groups = num_groups(n, group_size)
@@ -183,6 +191,10 @@ def unpack_dequantize(
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_pack`: a 1-D tensor of ``numel`` values of ``dtype``."""
     check_quant_args(bits, group_size)
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"unpack_dequantize: dtype {dtype} is not supported; allowed: float32, float16, bfloat16")
+    if numel > stats.shape[0] * group_size:
+        raise ValueError(f"unpack_dequantize: numel={numel} exceeds the {stats.shape[0]} groups of {group_size} stored")
     c = _unpack(codes, bits).view(-1, group_size).float()
     low = stats[:, 0:1].float()
     signed_step = stats[:, 1:2].float()

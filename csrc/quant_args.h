@@ -1,0 +1,88 @@
+// Argument checks and dispatch helpers shared by the CPU and CUDA ops, so both devices
+// reject the same inputs with the same messages.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace lightning_act {
+
+// The input and output dtypes the kernels handle.
+#define LIGHTNING_ACT_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)            \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                       \
+                     AT_DISPATCH_CASE(at::ScalarType::Float, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::ScalarType::Half, __VA_ARGS__)  \
+                     AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__))
+
+inline bool is_supported_float(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
+}
+
+inline void check_quant_args(int64_t bits, int64_t group_size) {
+  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, "lightning_act: bits=", bits,
+              " is not supported; allowed: 1, 2, 4, 8");
+  TORCH_CHECK(group_size >= 8 && group_size <= 65536 && (group_size & (group_size - 1)) == 0,
+              "lightning_act: group_size=", group_size, " must be a power of two in [8, 65536]");
+}
+
+inline int64_t num_groups(int64_t numel, int64_t group_size) { return (numel + group_size - 1) / group_size; }
+
+inline void check_quantize_input(const at::Tensor& input) {
+  TORCH_CHECK(is_supported_float(input.scalar_type()), "lightning_act.quantize_pack: input dtype is ",
+              input.scalar_type(), "; allowed: Float, Half, BFloat16");
+  TORCH_CHECK(input.is_contiguous(), "lightning_act.quantize_pack: input must be contiguous; got shape ",
+              input.sizes(), " with strides ", input.strides());
+}
+
+// Checks codes and stats against each other; returns the number of groups.
+inline int64_t check_decode_args(const at::Tensor& codes, const at::Tensor& stats, int64_t bits, int64_t group_size,
+                                 int64_t numel, at::ScalarType dtype) {
+  check_quant_args(bits, group_size);
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "lightning_act.unpack_dequantize: codes dtype is ",
+              codes.scalar_type(), "; allowed: Byte (uint8)");
+  TORCH_CHECK(codes.is_contiguous(), "lightning_act.unpack_dequantize: codes must be contiguous; got strides ",
+              codes.strides());
+  TORCH_CHECK(stats.scalar_type() == at::kBFloat16, "lightning_act.unpack_dequantize: stats dtype is ",
+              stats.scalar_type(), "; allowed: BFloat16");
+  TORCH_CHECK(stats.dim() == 2 && stats.size(1) == 2, "lightning_act.unpack_dequantize: stats must have shape ",
+              "[groups, 2]; got ", stats.sizes());
+  TORCH_CHECK(stats.is_contiguous(), "lightning_act.unpack_dequantize: stats must be contiguous; got strides ",
+              stats.strides());
+  TORCH_CHECK(codes.device() == stats.device(), "lightning_act.unpack_dequantize: codes are on ", codes.device(),
+              " but stats are on ", stats.device());
+  const int64_t groups = stats.size(0);
+  const int64_t expected_bytes = groups * group_size * bits / 8;
+  TORCH_CHECK(codes.numel() == expected_bytes, "lightning_act.unpack_dequantize: codes hold ", codes.numel(),
+              " bytes; ", groups, " groups of ", group_size, " values at ", bits, " bits need ", expected_bytes);
+  TORCH_CHECK(numel >= 0 && numel <= groups * group_size, "lightning_act.unpack_dequantize: numel=", numel,
+              " must be in [0, ", groups * group_size, "] for ", groups, " groups of ", group_size);
+  TORCH_CHECK(is_supported_float(dtype), "lightning_act.unpack_dequantize: dtype is ", dtype,
+              "; allowed: Float, Half, BFloat16");
+  return groups;
+}
+
+// Calls fn(std::integral_constant<int, bits>{}) so kernels can be specialised on bits.
+template <typename Fn>
+void dispatch_bits(int64_t bits, Fn&& fn) {
+  switch (bits) {
+    case 1:
+      fn(std::integral_constant<int, 1>{});
+      break;
+    case 2:
+      fn(std::integral_constant<int, 2>{});
+      break;
+    case 4:
+      fn(std::integral_constant<int, 4>{});
+      break;
+    case 8:
+      fn(std::integral_constant<int, 8>{});
+      break;
+    default:
+      TORCH_CHECK(false, "lightning_act: bits=", bits, " is not supported; allowed: 1, 2, 4, 8");
+  }
+}
+
+}  // namespace lightning_act

@@ -1,0 +1,15 @@
+"""How many bits each saved tensor gets: fixed, or adapted to its measured sensitivity."""
+
+from lightning_act.policy.allocation import allocate_bits, quantization_variance
+from lightning_act.policy.bits import EXACT, AdaptiveBits, BitPolicy, FixedBits, ModuleRules, SlotInfo
+
+__all__ = [
+    "EXACT",
+    "AdaptiveBits",
+    "BitPolicy",
+    "FixedBits",
+    "ModuleRules",
+    "SlotInfo",
+    "allocate_bits",
+    "quantization_variance",
+]

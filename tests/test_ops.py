@@ -1,0 +1,310 @@
+"""The fused kernels against the pure-PyTorch reference, bit for bit, and their loader.
+
+Inputs are fresh random draws on every run; a failing case prints the generator seed that
+reproduces it.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+from lightning_act import ops
+from lightning_act.ops import extension, reference
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BITS = (1, 2, 4, 8)
+DEVICES = (
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=(pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+    ),
+)
+_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request) -> str:
+    """A device whose fused kernels are loaded.
+
+    A failed build fails the tests instead of letting them compare the reference with itself.
+    """
+    ops.ensure_kernels(request.param)
+    assert ops.loaded_kernels()[request.param], f"the fused {request.param} kernels did not load"
+    return request.param
+
+
+@pytest.fixture
+def generator() -> torch.Generator:
+    seed = random.SystemRandom().randrange(2**63)
+    print(f"input generator seed: {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def _segment(kind: str, numel: int, g: torch.Generator) -> torch.Tensor:
+    normal = torch.randn(numel, generator=g)
+    if kind == "mixed_signs":
+        return normal * torch.empty(numel).exponential_(generator=g) * 10.0 ** torch.randint(-3, 4, (1,), generator=g)
+    if kind == "relu":  # many exact zeros: zero-preserving groups, some all zero
+        return torch.relu(normal - torch.rand(1, generator=g) * 2)
+    if kind == "positive":  # no zeros, no negatives
+        return normal.abs() + 0.5
+    if kind == "large_offset":  # low's bfloat16 rounding dominates
+        return 3.0e4 + normal * 10.0 ** torch.randint(-2, 3, (1,), generator=g)
+    if kind == "tiny":  # float32 subnormals and values near them
+        return normal * 1.0e-39 + torch.randint(-1, 2, (numel,), generator=g) * 1.0e-38
+    if kind == "constant":  # zero step wherever a group falls inside the segment
+        return torch.full((numel,), float(normal[0]))
+    if kind == "integers":  # ties and exact grid points
+        return torch.randint(-4, 5, (numel,), generator=g).float()
+    raise ValueError(kind)
+
+
+_KINDS = ("mixed_signs", "relu", "positive", "large_offset", "tiny", "constant", "integers")
+
+
+def random_input(numel: int, dtype: torch.dtype, g: torch.Generator, nonfinite: bool = True) -> torch.Tensor:
+    """Segments of different kinds, unaligned with the groups, with some NaN and +-Inf."""
+    parts, filled = [], 0
+    while filled < numel:
+        length = min(numel - filled, int(torch.randint(1, 600, (1,), generator=g)))
+        parts.append(_segment(_KINDS[int(torch.randint(len(_KINDS), (1,), generator=g))], length, g))
+        filled += length
+    x = torch.cat(parts) if parts else torch.empty(0)
+    if nonfinite and numel > 16:
+        where = torch.randint(numel, (max(1, numel // 5000),), generator=g)
+        x[where] = torch.tensor([float("nan"), float("inf"), -float("inf")])[torch.arange(len(where)) % 3]
+    x = x.to(dtype)
+    # Converting tiny negatives to float16 makes -0.0; the reference's choice between -0.0
+    # and +0.0 as a group's minimum depends on the order of the values, so keep zeros +0.0
+    # here (test_signed_zeros covers -0.0).
+    return torch.where(x == 0, torch.zeros((), dtype=dtype), x)
+
+
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Equal bit patterns, except that any NaN matches any NaN (payloads are not part of the format)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    actual, expected = actual.cpu(), expected.cpu()
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(actual), nan), f"{what}: NaN positions differ"
+    if actual.is_floating_point():
+        actual, expected = actual.view(_INT_VIEW[actual.dtype]), expected.view(_INT_VIEW[expected.dtype])
+    mismatch = (actual != expected) & ~nan
+    if mismatch.any():
+        index = int(mismatch.nonzero()[0, 0])
+        raise AssertionError(
+            f"{what}: {int(mismatch.sum())} of {actual.numel()} differ; first at {index}: "
+            f"{actual[index].item():#x} != {expected[index].item():#x}"
+        )
+
+
+def check_against_reference(x: torch.Tensor, bits: int, group_size: int, seed: int, device: str) -> None:
+    codes, stats = ops.quantize_pack(x.to(device), bits, group_size, seed)
+    expected_codes, expected_stats = reference.quantize_pack(x, bits, group_size, seed)
+    case = f"numel={x.numel()} dtype={x.dtype} bits={bits} group_size={group_size} seed={seed}"
+    assert_same_bits(codes, expected_codes, f"codes ({case})")
+    assert_same_bits(stats, expected_stats, f"stats ({case})")
+    for dtype in {x.dtype, torch.float32}:
+        decoded = ops.unpack_dequantize(codes, stats, bits, group_size, x.numel(), dtype)
+        expected = reference.unpack_dequantize(expected_codes, expected_stats, bits, group_size, x.numel(), dtype)
+        assert_same_bits(decoded, expected, f"decoded as {dtype} ({case})")
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_reference_bit_for_bit(device, dtype, bits, generator):
+    for group_size in (8, 16, 32, 64, 256, 1024, 65536):
+        if group_size <= 1024:
+            numels = {0, 1, 7, 8, group_size - 1, group_size, group_size + 1, 3 * group_size + 5}
+            numels.add(int(torch.randint(1, 5000, (1,), generator=generator)))
+        else:  # the reference pays for whole padded groups: a few cases suffice
+            numels = {1, group_size + 3}
+        for numel in sorted(numels):
+            seed = int(torch.randint(2**62, (1,), generator=generator)) * 2 + int(numel % 2)
+            check_against_reference(random_input(numel, dtype, generator), bits, group_size, seed, device)
+
+
+@pytest.mark.parametrize(
+    ("numel", "dtype", "bits", "group_size"),
+    [
+        # Crosses the reference's 2**22-element passes with a ragged last group.
+        ((1 << 22) + 1000 + 3, torch.float32, 2, 256),
+        (3_000_001, torch.bfloat16, 4, 65536),
+        (2_000_003, torch.float16, 1, 8),
+    ],
+)
+def test_matches_reference_on_large_tensors(device, numel, dtype, bits, group_size, generator):
+    check_against_reference(random_input(numel, dtype, generator), bits, group_size, 2**63 - 12345, device)
+
+
+def test_multidimensional_input(device, generator):
+    x = random_input(3 * 5 * 7 * 11, torch.float32, generator).view(3, 5, 7, 11)
+    check_against_reference(x, 2, 32, 99, device)
+
+
+def test_signed_zeros(device):
+    zeros = torch.zeros(64)
+    negative_zeros = -zeros
+    mixed = torch.tensor([0.0, -0.0] * 32)
+    relu_like = torch.tensor([0.0, -0.0, 1.5, 0.25] * 16)
+    x = torch.cat((zeros, negative_zeros, mixed, relu_like))
+    for bits in BITS:
+        codes, stats = ops.quantize_pack(x.to(device), bits, 64, 3)
+        expected_codes, expected_stats = reference.quantize_pack(x, bits, 64, 3)
+        assert_same_bits(codes, expected_codes, f"codes, bits={bits}")
+        # A group holding both zeros may store either as its minimum (the reference's pick
+        # depends on the order of its values); every other group must match exactly.
+        ambiguous = torch.tensor([False, False, bits == 1, bits == 1])
+        assert_same_bits(stats[~ambiguous], expected_stats[~ambiguous], f"stats, bits={bits}")
+        decoded = ops.unpack_dequantize(codes, stats, bits, 64, x.numel(), torch.float32)
+        expected = reference.unpack_dequantize(expected_codes, expected_stats, bits, 64, x.numel(), torch.float32)
+        assert_same_bits(decoded, expected, f"decoded, bits={bits}")
+
+
+def test_decode_of_hand_made_stats(device):
+    """Decoding follows the stats bits alone, including a NaN whose sign bit is set."""
+    stats_bits = torch.tensor([[0x3F80, 0x3E00], [0x3F80, 0xBE00], [0x7FC0, 0x7FC0], [0x4000, 0xFFC0]])
+    stats = stats_bits.to(torch.int16).view(torch.bfloat16)  # plain, zero-preserving, NaN, NaN with sign
+    codes = torch.arange(4 * 8, dtype=torch.uint8) % 4
+    codes = (codes.view(-1, 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8)).sum(1).to(torch.uint8)
+    decoded = ops.unpack_dequantize(codes.to(device), stats.to(device), 2, 8, 32, torch.float32)
+    expected = reference.unpack_dequantize(codes, stats, 2, 8, 32, torch.float32)
+    assert_same_bits(decoded, expected, "decoded")
+
+
+def test_seed_changes_codes(device, generator):
+    x = random_input(4096, torch.float32, generator, nonfinite=False).to(device)
+    first, _ = ops.quantize_pack(x, 2, 256, 1)
+    again, _ = ops.quantize_pack(x, 2, 256, 1)
+    other, _ = ops.quantize_pack(x, 2, 256, 2)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda x: ops.quantize_pack(x, 3, 256, 0), "bits=3 is not supported; allowed: 1, 2, 4, 8"),
+        (lambda x: ops.quantize_pack(x, 2, 96, 0), "group_size=96 must be a power of two in \\[8, 65536\\]"),
+        (lambda x: ops.quantize_pack(x, 2, 4, 0), "group_size=4"),
+        (lambda x: ops.quantize_pack(x.double(), 2, 256, 0), "input dtype is Double; allowed: Float, Half, BFloat16"),
+        (lambda x: ops.quantize_pack(x.view(32, 32).t(), 2, 256, 0), "input must be contiguous"),
+    ],
+)
+def test_quantize_rejects_bad_arguments(device, call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call(torch.randn(1024, device=device))
+
+
+def test_decode_rejects_bad_arguments(device):
+    codes, stats = ops.quantize_pack(torch.randn(1024, device=device), 2, 256, 0)
+    decode = torch.ops.lightning_act.unpack_dequantize
+    with pytest.raises(RuntimeError, match="codes hold 255 bytes; 4 groups of 256 values at 2 bits need 256"):
+        decode(codes[:-1], stats, 2, 256, 1024, torch.float32)
+    with pytest.raises(RuntimeError, match="stats must have shape \\[groups, 2\\]"):
+        decode(codes, stats.view(-1), 2, 256, 1024, torch.float32)
+    with pytest.raises(RuntimeError, match="stats dtype is Float; allowed: BFloat16"):
+        decode(codes, stats.float(), 2, 256, 1024, torch.float32)
+    with pytest.raises(RuntimeError, match="numel=1025 must be in \\[0, 1024\\]"):
+        decode(codes, stats, 2, 256, 1025, torch.float32)
+    with pytest.raises(RuntimeError, match="dtype is Long; allowed: Float, Half, BFloat16"):
+        decode(codes, stats, 2, 256, 1024, torch.int64)
+    with pytest.raises(RuntimeError, match="codes hold 256 bytes; 4 groups of 256 values at 8 bits need 1024"):
+        decode(codes, stats, 8, 256, 1024, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_opcheck(device, dtype, generator):
+    x = random_input(1000, dtype, generator, nonfinite=False).to(device)
+    torch.library.opcheck(torch.ops.lightning_act.quantize_pack.default, (x, 2, 64, 5))
+    codes, stats = ops.quantize_pack(x, 2, 64, 5)
+    torch.library.opcheck(torch.ops.lightning_act.unpack_dequantize.default, (codes, stats, 2, 64, 1000, dtype))
+
+
+def test_cpu_kernels_are_loaded():
+    ops.ensure_kernels("cpu")
+    assert ops.loaded_kernels()["cpu"] is True
+
+
+def test_device_types_without_kernels_use_the_reference():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops.ensure_kernels("meta")
+    assert ops.loaded_kernels()["meta"] is False
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """The loader as in a new process, building into an empty folder."""
+    monkeypatch.setattr(extension, "_loaded", {})
+    monkeypatch.setenv(extension.BUILD_DIR_ENV, str(tmp_path / "build"))
+    monkeypatch.delenv(extension.KERNELS_ENV, raising=False)
+    return tmp_path
+
+
+def test_invalid_kernel_mode_is_rejected(fresh_loader, monkeypatch):
+    monkeypatch.setenv(extension.KERNELS_ENV, "bogus")
+    with pytest.raises(ValueError, match="LIGHTNING_ACT_KERNELS='bogus' is not supported; allowed: auto, reference"):
+        ops.quantize_pack(torch.randn(64), 2, 8, 0)
+
+
+def test_reference_mode_builds_nothing(fresh_loader, monkeypatch):
+    monkeypatch.setenv(extension.KERNELS_ENV, "reference")
+    ops.ensure_kernels("cpu")
+    assert ops.loaded_kernels()["cpu"] is False
+    assert not (fresh_loader / "build").exists()
+
+
+def _quantize_collecting_warnings(x: torch.Tensor) -> tuple[list[warnings.WarningMessage], tuple]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = ops.quantize_pack(x, 2, 8, 0)
+        second = ops.quantize_pack(x, 2, 8, 0)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    return [w for w in caught if "lightning_act" in str(w.message)], first
+
+
+def test_failed_build_warns_once_and_uses_the_reference(fresh_loader, monkeypatch):
+    sources = fresh_loader / "csrc"
+    sources.mkdir()
+    for header in extension._HEADERS:
+        (sources / header).write_text((extension._SOURCE_DIR / header).read_text())
+    (sources / "quant_cpu.cpp").write_text("this is not C++;\n")
+    monkeypatch.setattr(extension, "_SOURCE_DIR", sources)
+    x = torch.randn(100)
+
+    caught, result = _quantize_collecting_warnings(x)
+
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "fused cpu kernels are unavailable" in message and "pure-PyTorch reference" in message
+    assert "quant_cpu.cpp:1:1: error" in message
+    assert ops.loaded_kernels()["cpu"] is False
+    for actual, expected in zip(result, reference.quantize_pack(x, 2, 8, 0)):
+        assert torch.equal(actual, expected)
+
+
+def test_missing_sources_warn_once(fresh_loader, monkeypatch):
+    monkeypatch.setattr(extension, "_SOURCE_DIR", fresh_loader / "nowhere")
+    caught, _ = _quantize_collecting_warnings(torch.randn(100))
+    assert len(caught) == 1
+    assert "Kernel sources not found" in str(caught[0].message)
+
+
+def test_groups_spanning_beyond_float32_are_stored_as_nan(device, generator):
+    x = torch.randn(1024, generator=generator).to(device)
+    x[256:512] *= 1e38  # a group whose step overflows float32
+    x[256] = -3.0e38
+    x[257] = 3.0e38
+    codes, stats = ops.quantize_pack(x, 2, 256, 0)
+    ref_codes, ref_stats = reference.quantize_pack(x.cpu(), 2, 256, 0)
+    assert torch.equal(codes.cpu(), ref_codes)
+    assert torch.equal(stats.cpu().view(torch.int16), ref_stats.view(torch.int16))
+    assert int(ops.count_nonfinite_groups(stats)) == 1
+    decoded = ops.unpack_dequantize(codes, stats, 2, 256, 1024, torch.float32).cpu()
+    assert decoded[256:512].isnan().all() and decoded[:256].isfinite().all() and decoded[512:].isfinite().all()
