@@ -103,7 +103,7 @@ class ActCompression(Callback):
         self.probe_samples = probe_samples
         self.capture: ActivationCapture | None = None
         self.last_report = CompressionReport()
-        self.sensitivity: dict[str, float] = {}
+        self.sensitivity: dict[str, dict[int, float]] = {}
         self.recalibration_ms = 0.0
         self._next_calibration = warmup_steps
         self._calibration_end: int | None = None
@@ -225,7 +225,7 @@ class ActCompression(Callback):
         pl_module.train(was_training)
         self._solve(trainer, sensitivity, started)
 
-    def _solve(self, trainer: pl.Trainer, sensitivity: dict[str, float], started: float) -> None:
+    def _solve(self, trainer: pl.Trainer, sensitivity: dict[str, dict[int, float]], started: float) -> None:
         slots = self.capture.slots
         assignment = self.policy.update(sensitivity, slots) if trainer.is_global_zero else None
         # Every rank must store the same tensors at the same bits: rank zero decides.

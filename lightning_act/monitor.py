@@ -35,13 +35,14 @@ def module_mean_bits(assignment: Mapping[str, int | None], slots: Mapping[str, S
 def allocation_table(
     assignment: Mapping[str, int | None],
     slots: Mapping[str, SlotInfo],
-    sensitivity: Mapping[str, float],
+    variance: Mapping[str, Mapping[int, float]],
     report: CompressionReport,
 ) -> str:
-    """A markdown table: slot, module, shape, bits, bytes kept vs stored, sensitivity."""
+    """A markdown table: slot, module, shape, bits, bytes kept vs stored, and the estimated
+    gradient variance the tensor adds at 2 bits (its sensitivity) and at its chosen bits."""
     lines = [
-        "| tensor | module | shape | bits | saved KiB | stored KiB | sensitivity |",
-        "|---|---|---|---|---:|---:|---:|",
+        "| tensor | module | shape | bits | saved KiB | stored KiB | variance at 2 bits | at its bits |",
+        "|---|---|---|---|---:|---:|---:|---:|",
     ]
     for slot, bits in assignment.items():
         info = slots.get(slot)
@@ -50,9 +51,11 @@ def allocation_table(
         memory = report.slots.get(slot)
         saved = f"{memory.saved_bytes / 1024:.1f}" if memory else "-"
         stored = f"{memory.stored_bytes / 1024:.1f}" if memory else "-"
+        table = variance.get(slot, {})
+        at_bits = 0.0 if bits is None else table.get(bits, float("nan"))
         lines.append(
             f"| {slot} | {info.module} | {'x'.join(map(str, info.shape))} | {bits_name(bits)} | {saved} | {stored} "
-            f"| {sensitivity.get(slot, float('nan')):.3e} |"
+            f"| {table.get(2, float('nan')):.3e} | {at_bits:.3e} |"
         )
     return "\n".join(lines)
 
@@ -92,7 +95,7 @@ def log_allocation(
     step: int,
     assignment: Mapping[str, int | None],
     slots: Mapping[str, SlotInfo],
-    sensitivity: Mapping[str, float],
+    variance: Mapping[str, Mapping[int, float]],
     report: CompressionReport,
     history: Sequence[Mapping[str, float]],
     history_steps: Sequence[int],
@@ -116,6 +119,6 @@ def log_allocation(
         widths = [slots[s].element_bits if b is None else b for s, b in assignment.items() if s in slots]
         if widths:
             writer.add_histogram(f"{prefix}/bits_histogram", torch.tensor(widths, dtype=torch.float32), step)
-        writer.add_text(f"{prefix}/allocation", allocation_table(assignment, slots, sensitivity, report), step)
+        writer.add_text(f"{prefix}/allocation", allocation_table(assignment, slots, variance, report), step)
         if history:
             writer.add_image(f"{prefix}/bits_heatmap", bits_heatmap(history, history_steps), step, dataformats="HWC")

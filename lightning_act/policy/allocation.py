@@ -5,17 +5,20 @@ gradient variance is the sum of what each tensor adds at its bit width, ``v_i(b_
 (``c_i * S(b)`` with ``S(b) = 1 / (2**b - 1)**2`` for a plain quantizer; the estimators
 measure or model ``v_i`` per bit width, see :mod:`lightning_act.policy.estimators`). The budget
 counts real bytes: ``b`` bits per value plus 32 bits of statistics per group, or the
-original element size for a tensor kept exact. The problem is solved through its
-Lagrangian: for a price ``lam`` on bytes each tensor independently picks
-``argmin_b v_i(b) + lam * cost_i(b)``; bisection finds the lowest price that fits.
+original element size for a tensor kept exact: a multiple-choice knapsack, see
+:func:`allocate_bits`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 EXACT = None  # "keep this tensor as it is"
 STATS_BITS_PER_GROUP = 32
+_BUDGET_UNITS = 20_000
 
 
 def quantization_variance(bits: int | None) -> float:
@@ -63,33 +66,39 @@ def allocate_bits(
         for k in keys
     }
 
-    def choose(price: float) -> tuple[dict[str, int | None], float]:
-        chosen, used = {}, 0
-        for k in keys:  # ties go to the cheaper option
-            cost, _, bits = min(options[k], key=lambda o: (o[1] + price * o[0], o[0]))
-            chosen[k] = bits
-            used += cost
-        return chosen, used
+    if sum(options[k][0][0] for k in keys) > allowed:
+        return {k: options[k][0][2] for k in keys}  # even the cheapest choice is over budget
+    # A multiple-choice knapsack, solved by dynamic programming over the budget cut into
+    # _BUDGET_UNITS units. Greedy and price-only (Lagrangian) solutions fail on it: identical
+    # tensors flip all at once, and a cheap upgrade can use up the slack a valuable one
+    # needed. Costs are rounded down to whole units, so the true cost of the answer may
+    # overshoot by up to one unit per tensor: then the capacity shrinks and it is solved again.
+    unit = allowed / _BUDGET_UNITS
+    capacity = _BUDGET_UNITS
+    while True:
+        chosen, cost = _knapsack(keys, options, unit, capacity)
+        if cost <= allowed or capacity == 0:
+            return chosen
+        capacity = max(capacity - math.ceil((cost - allowed) / unit), 0)
 
-    # Choices only change at the prices where two options of one tensor tie, and the bytes
-    # used never grow with the price: binary search over those breakpoints is exact.
-    prices = sorted(
-        {0.0}
-        | {
-            (va - vb) / (cb - ca)
-            for k in keys
-            for (ca, va, _) in options[k]
-            for (cb, vb, _) in options[k]
-            if cb > ca and va > vb
-        }
-    )
-    lo, hi = 0, len(prices) - 1
-    if choose(prices[hi])[1] > allowed:
-        return choose(prices[hi])[0]  # even the cheapest choice is over budget
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if choose(prices[mid])[1] <= allowed:
-            hi = mid
-        else:
-            lo = mid + 1
-    return choose(prices[lo])[0]
+
+def _knapsack(keys, options, unit: float, capacity: int) -> tuple[dict[str, int | None], int]:
+    best = np.zeros(capacity + 1)  # least variance within c units
+    picks = []
+    for k in keys:
+        table = np.full((len(options[k]), capacity + 1), math.inf)
+        for j, (cost, var, _) in enumerate(options[k]):
+            width = int(cost // unit)
+            if width <= capacity:
+                table[j, width:] = best[: capacity + 1 - width] + var
+        pick = table.argmin(axis=0)
+        best = table[pick, np.arange(capacity + 1)]
+        picks.append(pick)
+    chosen: dict[str, int | None] = {}
+    remaining, total = capacity, 0
+    for k, pick in zip(reversed(keys), reversed(picks)):
+        cost, _, bits = options[k][int(pick[remaining])]
+        chosen[k] = bits
+        total += cost
+        remaining -= int(cost // unit)
+    return {k: chosen[k] for k in keys}, total

@@ -136,14 +136,18 @@ class AdaptiveBits(BitPolicy):
     def update(
         self, variance: Mapping[str, Mapping[int, float]], slots: Mapping[str, SlotInfo]
     ) -> dict[str, int | None]:
-        """Re-solve the allocation for the slots that module rules do not pin.
+        """Re-solve the allocation for the slots that have an estimate and no module rule.
 
         Args:
             variance: per slot, the gradient variance it adds at each bit width (from an
                 estimator in :mod:`lightning_act.policy.estimators`).
             slots: every slot to allocate, with its size.
         """
-        sizes = {k: (s.numel, s.groups, s.element_bits) for k, s in slots.items() if not self.is_pinned(s.module)}
+        sizes = {
+            k: (s.numel, s.groups, s.element_bits)
+            for k, s in slots.items()
+            if k in variance and not self.is_pinned(s.module)
+        }
         self.assignment = allocate_bits(variance, sizes, self.budget, self.candidates)
         return self.assignment
 

@@ -65,11 +65,12 @@ class GradientSensitivity:
 
     def sensitivities(self) -> dict[str, dict[int, float]]:
         """``v_i(b)`` per slot observed so far (one host synchronisation)."""
-        slots = list(self._noise)
+        # A tensor saved outside every module (a loss function's input, say) has no module
+        # output to take the gradient from: it gets no estimate, so it keeps the default bits.
+        slots = [s for s in self._noise if self._slot_module[s] in self._grad]
         if not slots:
             return {}
-        zero = torch.zeros((), device=self._noise[slots[0]].device)
-        terms = [self._noise[s] * self._grad.get(self._slot_module[s], zero).to(zero.device) for s in slots]
+        terms = [self._noise[s] * self._grad[self._slot_module[s]] for s in slots]
         fractions = [self._zero_preserving[s] for s in slots]
         c, z = torch.stack(terms).tolist(), torch.stack(fractions).tolist()
         return {s: {b: ci * _levels_variance(b, zi) for b in SUPPORTED_BITS} for s, ci, zi in zip(slots, c, z)}

@@ -1,0 +1,116 @@
+"""ActCompression with the adaptive policy: recalibration, monitoring, safety, resume."""
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.data import DataLoader
+
+from lightning_act import ActCompression
+from tests.test_callback import SmallCNN, make_images
+
+
+def trainer_for(tmp_path, callbacks, max_steps, **kwargs):
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=kwargs.pop("logger", False),
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
+
+
+def loader():
+    torch.manual_seed(0)
+    return DataLoader(make_images(), batch_size=32)
+
+
+@pytest.mark.parametrize("estimator", ["gradient", "probe"])
+def test_recalibrates_and_logs_every_panel_to_tensorboard(tmp_path, estimator):
+    callback = ActCompression(budget=2.0, estimator=estimator, warmup_steps=2, calibration_steps=2,
+                              recalibrate_every_n_steps=4, min_numel=256)
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    trainer = trainer_for(tmp_path, [callback], 12, logger=logger, enable_checkpointing=False, log_every_n_steps=1)
+    trainer.fit(SmallCNN(), loader())
+    assert len(callback._history) >= 2  # recalibrated more than once
+    assert set(callback.policy.assignment) <= set(callback.capture.slots)
+    assert callback.last_report.counts["compressed"] >= 4
+    events = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "images": 0, "histograms": 0, "tensors": 0})
+    events.Reload()
+    tags = events.Tags()
+    assert any(t.startswith("act/bits/net.") for t in tags["scalars"])
+    assert {"act/compression_ratio", "act/recalibration_ms", "act/recalibration_pct", "act/mean_bits"} <= set(tags["scalars"])
+    assert "act/bits_histogram" in tags["histograms"]
+    assert "act/bits_heatmap" in tags["images"]
+    assert any(t.startswith("act/allocation") for t in tags["tensors"])  # add_text is stored as a tensor
+    text = events.Tensors(next(t for t in tags["tensors"] if t.startswith("act/allocation")))[-1]
+    table = text.tensor_proto.string_val[0].decode()
+    assert table.startswith("| tensor | module | shape | bits |") and "| net." in table
+
+
+class Snapshot(Callback):
+    """Records state around ActCompression's on_train_batch_start (probes run there)."""
+
+    def __init__(self, store, key):
+        self.store, self.key = store, key
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.store.setdefault(self.key, []).append(
+            {
+                "rng": torch.get_rng_state(),
+                "buffers": [b.clone() for b in pl_module.buffers()],
+                "grads": [None if p.grad is None else p.grad.clone() for p in pl_module.parameters()],
+            }
+        )
+
+
+def test_probes_leave_rng_batchnorm_and_accumulated_grads_alone(tmp_path):
+    store = {}
+    callback = ActCompression(budget=2.0, estimator="probe", warmup_steps=1, recalibrate_every_n_steps=2,
+                              min_numel=256)
+    trainer = trainer_for(tmp_path, [Snapshot(store, "before"), callback, Snapshot(store, "after")], 6,
+                          accumulate_grad_batches=2, enable_checkpointing=False)
+    trainer.fit(SmallCNN(), loader())
+    assert len(callback._history) >= 2
+    for before, after in zip(store["before"], store["after"]):
+        assert torch.equal(before["rng"], after["rng"])
+        assert all(torch.equal(a, b) for a, b in zip(before["buffers"], after["buffers"]))
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(before["grads"], after["grads"]))
+
+
+def test_resume_restores_the_same_bits_without_recalibrating(tmp_path):
+    first = ActCompression(budget=2.0, estimator="gradient", warmup_steps=1, calibration_steps=1,
+                           recalibrate_every_n_steps=100, min_numel=256)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer_for(tmp_path, [first, checkpoint], 4).fit(SmallCNN(), loader())
+    assert first.policy.assignment
+    path = tmp_path / "ckpt" / "last.ckpt"
+    torch.load(path, weights_only=True)  # primitives only: loads under the safe unpickler
+
+    class Check(Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.bits_at_start = dict(resumed.policy.assignment)
+
+    resumed = ActCompression(budget=2.0, estimator="gradient", warmup_steps=1, calibration_steps=1,
+                             recalibrate_every_n_steps=100, min_numel=256)
+    check = Check()
+    trainer_for(tmp_path, [resumed, check], 6).fit(SmallCNN(), loader(), ckpt_path=path)
+    assert check.bits_at_start == first.policy.assignment
+    assert resumed._history == []  # no recalibration happened after resuming
+
+
+def test_adaptive_settings_are_validated():
+    with pytest.raises(ValueError, match="estimator='fisher' is not supported; allowed: gradient, probe"):
+        ActCompression(budget=2.0, estimator="fisher")
+    with pytest.raises(ValueError, match="set bits for a fixed policy or budget for an adaptive one"):
+        ActCompression(bits=4, budget=2.0)
+    with pytest.raises(ValueError, match="recalibrate_every_n_steps=0 must be an int >= 1"):
+        ActCompression(budget=2.0, recalibrate_every_n_steps=0)
+    with pytest.raises(ValueError, match="budget=9 must be a number of bits in"):
+        ActCompression(budget=9)
