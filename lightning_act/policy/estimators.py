@@ -6,7 +6,8 @@ is stored at ``b`` bits. Both return ``{slot: {1: v, 2: v, 4: v, 8: v}}``.
   one backward per probed bit width with only that tensor quantized. The measurement
   includes what no model predicts well: a zero-preserving group (a ReLU output) has one
   level fewer at 2 bits and none at 1 bit, where its backward mask flips (a bias).
-  Costs ``len(probe_bits)`` backward passes per tensor on the slice.
+  Costs ``len(probe_bits)`` backward passes per tensor on the slice (default: 1 and 2
+  bits, the two that decide the allocation; wider widths follow from 2 bits).
 * :class:`GradientSensitivity` models it from the normal training step: stochastic
   rounding of a group with range ``r`` at ``b`` bits adds noise of energy
   ``G r**2 S(b) / 6``, which reaches the gradient scaled by the gradient flowing out of the
@@ -80,7 +81,7 @@ def probe_sensitivities(
     capture,
     loss_fn: Callable[[], torch.Tensor],
     params: Sequence[torch.Tensor],
-    probe_bits: Sequence[int] = (1, 2, 4),
+    probe_bits: Sequence[int] = (1, 2),
     inputs=None,
 ) -> dict[str, dict[int, float]]:
     """GACT's probe estimator: the gradient variance each tensor adds when quantized alone.

@@ -1,0 +1,45 @@
+"""DDP with two CPU processes (gloo): every rank ends with the same bits.
+
+Spawned workers' state does not come back to the test process, so the checks run inside
+the callback hooks of every rank; a failed assertion there fails the fit.
+"""
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+
+from lightning_act import ActCompression
+from tests.test_callback import SmallCNN, make_images
+
+
+class SameBitsOnEveryRank(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        act = next(c for c in trainer.callbacks if isinstance(c, ActCompression))
+        mine = sorted(act.policy.assignment.items())
+        gathered = [None] * trainer.world_size
+        dist.all_gather_object(gathered, mine)
+        assert all(other == gathered[0] for other in gathered), "ranks disagree on the bits"
+        if trainer.global_step >= 4:
+            assert mine, "no recalibration happened"
+
+
+def test_ddp_ranks_share_one_allocation(tmp_path):
+    torch.manual_seed(0)
+    callback = ActCompression(budget=2.0, estimator="gradient", warmup_steps=1, calibration_steps=1,
+                              recalibrate_every_n_steps=3, min_numel=256)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=6,
+        callbacks=[callback, SameBitsOnEveryRank()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(SmallCNN(), DataLoader(make_images(), batch_size=16))
