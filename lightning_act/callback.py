@@ -50,6 +50,11 @@ class ActCompression(Callback):
         min_numel: saved tensors with fewer elements are kept as they are.
         seed: seeds the rounding noise, which has its own stream: turning compression on
             never changes the user's random numbers (dropout masks, data order).
+        codec: how float activations are stored: ``"quant"`` (per-group quantization),
+            ``"division"`` (DIVISION: 16-bit ``block`` x ``block`` averages plus the residual
+            at ``bits``) or ``"pool"`` (an average-pooled copy; lossy and biased). Masks and
+            indices are always stored losslessly.
+        block: DIVISION's tile, or the pool codec's kernel.
         estimator: how the adaptive policy measures sensitivity: ``"gradient"`` reuses the
             normal training steps (no extra passes); ``"probe"`` runs GACT's probes, one
             extra backward per saved tensor on ``probe_samples`` samples of the batch.
@@ -75,6 +80,8 @@ class ActCompression(Callback):
         group_size: int = 256,
         min_numel: int = 2048,
         seed: int = 0,
+        codec: Literal["quant", "division", "pool"] = "quant",
+        block: int = 8,
         estimator: Literal["gradient", "probe"] = "probe",
         recalibrate_every_n_steps: int = 1000,
         warmup_steps: int = 20,
@@ -82,7 +89,9 @@ class ActCompression(Callback):
         probe_samples: int = 8,
     ):
         super().__init__()
-        self.config = CompressionConfig(bits=bits, group_size=group_size, min_numel=min_numel, seed=seed)
+        self.config = CompressionConfig(
+            bits=bits, group_size=group_size, min_numel=min_numel, seed=seed, codec=codec, block=block
+        )
         if budget is not None and bits != 2:
             raise ValueError(f"bits={bits!r} and budget={budget!r}: set bits for a fixed policy or budget for an adaptive one")
         if estimator not in ESTIMATORS:

@@ -4,8 +4,9 @@ stored, store it at once, attribute it to the module that saved it, and account 
 Framework-free: :class:`ActivationCapture` works with any ``nn.Module`` (or none), and the
 Lightning callback is a thin scheduler around it. The decision for one saved tensor:
 
-* not floating point (masks, indices), too small, or laid out with overlapping elements
-  (a broadcast/unfolded view whose dense copy would be larger): kept as it is;
+* a boolean mask or integer indices: stored losslessly in the fewest bits they need;
+* too small, or laid out with overlapping elements (a broadcast/unfolded view whose dense
+  copy would be larger): kept as it is;
 * a parameter, a view of one, or a tensor that belongs to the step's input batch: kept
   *and not counted*, because its owner keeps it alive whatever autograd does;
 * a cast copy of a parameter (autocast's bf16/fp16 weights): not kept at all; it is cast
@@ -25,7 +26,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_act.codecs import GroupQuantCodec
+from lightning_act.codecs import DivisionCodec, GroupQuantCodec, IndexCodec, MaskCodec, make_codec
+from lightning_act.codecs.exact import INDEX_DTYPES
 from lightning_act.config import CompressionConfig
 from lightning_act.ops import count_nonfinite_groups
 from lightning_act.policy import BitPolicy, FixedBits, SlotInfo
@@ -308,7 +310,9 @@ class ActivationCapture:
         policy: BitPolicy | None = None,
     ):
         self.config = config or CompressionConfig()
-        self.codec = GroupQuantCodec(self.config.group_size)
+        self.codec = make_codec(self.config.codec, self.config.group_size, self.config.block)
+        self._mask_codec = MaskCodec()
+        self._index_codec = IndexCodec()
         self.policy = policy or FixedBits(self.config.bits)
         self.model = model
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
@@ -467,7 +471,7 @@ class ActivationCapture:
                 return stats
             self._kept_storages[ptr] = ref
             stored = t.untyped_storage().nbytes()
-        elif decision == "compressed":
+        elif decision in ("compressed", "lossless"):
             stats.compressed += 1
         report.stored_bytes += stored
         stats.stored_bytes += stored
@@ -487,8 +491,7 @@ class ActivationCapture:
             return t.detach()  # a detached alias, never t itself: returning t can leak it
         module = self._stack[-1] if self._stack else OUTSIDE_MODULES
         if not t.is_floating_point():
-            self._account(module, t, "kept", 0)
-            return t.detach()
+            return self._pack_lossless(module, t)
         param, recastable = _source_parameter(t)
         if param is not None:
             if recastable:
@@ -530,6 +533,29 @@ class ActivationCapture:
         self._dedup[key] = (StorageWeakRef(t.untyped_storage()), saved)
         return saved
 
+    def _pack_lossless(self, module: str, t: torch.Tensor) -> Any:
+        """Masks and indices: stored losslessly in fewer bits when large enough."""
+        codec = self._mask_codec if t.dtype == torch.bool else self._index_codec if t.dtype in INDEX_DTYPES else None
+        ptr = t.untyped_storage().data_ptr()
+        if self._live(self._external, ptr):
+            self._count_uncounted("external")
+            return t.detach()
+        key = (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
+        cached = self._dedup.get(key)
+        if cached is not None and not cached[0].expired():
+            self._account(module, t, "deduplicated", 0)
+            return cached[1]
+        laid_out = None if codec is None else _Layout.dense_view(t)
+        if laid_out is None or laid_out[0].numel() < self.config.min_numel:
+            self._account(module, t, "kept", 0)
+            return t.detach()
+        dense, layout = laid_out
+        record = codec.pack(dense, 0, 0)
+        self._account(module, t, "lossless", record.nbytes)
+        saved = _Compressed(record, layout)
+        self._dedup[key] = (StorageWeakRef(t.untyped_storage()), saved)
+        return saved
+
     def _store(self, t: torch.Tensor, dense: torch.Tensor, layout: _Layout, slot: str, module: str) -> Any:
         bits = self.policy.bits_for(slot, module)
         dense_bytes = dense.numel() * dense.element_size()
@@ -541,7 +567,7 @@ class ActivationCapture:
         self._packs += 1
         record = self.codec.pack(dense, bits, splitmix64(self._seed + self._packs) >> 1)
         self._stats.append(record.stats)
-        if self.estimator is not None:
+        if self.estimator is not None and isinstance(self.codec, (GroupQuantCodec, DivisionCodec)):
             self.estimator.observe_stats(slot, module, record.stats, bits, self.codec.group_size)
         memory = self._account(module, t, "compressed", record.nbytes)
         memory.bits.add(bits)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from lightning_act.ops.reference import SUPPORTED_BITS, check_quant_args
 
+CODECS = ("quant", "division", "pool")
+
 
 @dataclass(frozen=True)
 class CompressionConfig:
@@ -20,6 +22,14 @@ class CompressionConfig:
             little and costs a kernel launch each.
         seed: seeds the rounding noise. The noise has its own counter-based stream, so
             compression never draws from (or shifts) torch's global random generator.
+        codec: how floating-point activations are stored: ``"quant"`` (per-group
+            stochastic quantization at ``bits``), ``"division"`` (DIVISION: a 16-bit
+            ``block`` x ``block`` average plus the residual at ``bits``; conv and sequence
+            activations, others fall back to ``"quant"``) or ``"pool"`` (an average-pooled
+            copy, ``block`` x ``block``; lossy and biased, see :mod:`lightning_act.codecs.pool`).
+            Boolean masks and integer indices are always stored losslessly in the fewest
+            bits they need.
+        block: DIVISION's low-frequency tile, or the pool codec's kernel (>= 2).
 
     Raises:
         ValueError: a setting is out of range; the message names it and what is allowed.
@@ -29,8 +39,14 @@ class CompressionConfig:
     group_size: int = 256
     min_numel: int = 2048
     seed: int = 0
+    codec: str = "quant"
+    block: int = 8
 
     def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise ValueError(f"codec={self.codec!r} is not supported; allowed: {', '.join(CODECS)}")
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 2:
+            raise ValueError(f"block={self.block!r} must be an int >= 2")
         if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
             raise ValueError(f"bits={self.bits!r} is not supported; allowed: {', '.join(map(str, SUPPORTED_BITS))}")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):

@@ -272,8 +272,8 @@ def _quantize_collecting_warnings(x: torch.Tensor) -> tuple[list[warnings.Warnin
 def test_failed_build_warns_once_and_uses_the_reference(fresh_loader, monkeypatch):
     sources = fresh_loader / "csrc"
     sources.mkdir()
-    for header in extension._HEADERS:
-        (sources / header).write_text((extension._SOURCE_DIR / header).read_text())
+    for name in (*extension._HEADERS, *extension._SOURCES["cpu"]):
+        (sources / name).write_text((extension._SOURCE_DIR / name).read_text())
     (sources / "quant_cpu.cpp").write_text("this is not C++;\n")
     monkeypatch.setattr(extension, "_SOURCE_DIR", sources)
     x = torch.randn(100)

@@ -44,8 +44,8 @@ _KERNEL_MODES = ("auto", "reference")
 
 _LOGGER = logging.getLogger("lightning_act")
 
-_HEADERS = ("quant_math.h", "quant_args.h")
-_SOURCES = {"cpu": ("quant_cpu.cpp",), "cuda": ("quant_cuda.cu",)}
+_HEADERS = ("quant_math.h", "quant_args.h", "division.h")
+_SOURCES = {"cpu": ("quant_cpu.cpp", "division_cpu.cpp"), "cuda": ("quant_cuda.cu", "division_cuda.cu")}
 
 
 def _find_source_dir() -> Path:

@@ -1,0 +1,178 @@
+"""The ``lightning-act`` command: every config runs, the quickstart ends with the memory
+summary, and a bad setting fails with one line naming the setting, the value and what is
+allowed."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_act.cli import main, one_line
+from lightning_act.ops import SUPPORTED_BITS
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+DATA = REPO.parent / "shared" / "data"
+ALLOWED_BITS = ", ".join(map(str, SUPPORTED_BITS))
+
+# Per config: the data it reads (None: generated) and the overrides that point it at
+# ../shared/data and keep one fast_dev_run step small on a CPU; the settings under test
+# (model, callbacks, logger, trainer flags) are left as the config has them.
+CONFIG_RUNS = {
+    "quickstart.yaml": (None, []),
+    "cifar10_resnet18.yaml": (
+        "cifar10",
+        ["--data.data_dir={data}", "--data.limit=64", "--data.batch_size=16", "--data.num_workers=0"],
+    ),
+    "resnet50_imagenet_shape.yaml": (None, ["--data.batch_size=2", "--data.num_workers=0"]),
+    "shakespeare_transformer.yaml": ("tinyshakespeare", ["--data.path={data}/input.txt", "--data.batch_size=8"]),
+    "cora_gcn.yaml": ("planetoid", ["--data.root={data}", "--data.cache_dir={tmp}/planetoid"]),
+    "cora_gat.yaml": ("planetoid", ["--data.root={data}", "--data.cache_dir={tmp}/planetoid"]),
+}
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    """Run in a scratch folder (logs land there) with a clean ``sys.argv``."""
+    monkeypatch.chdir(tmp_path)
+    # LightningCLI warns when given args while sys.argv holds pytest's own arguments.
+    monkeypatch.setattr(sys, "argv", ["lightning-act"])
+    return tmp_path
+
+
+def run_module(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python -m lightning_act ARGS`` in a fresh interpreter, output captured."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_act", *args], cwd=cwd, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )
+
+
+def error_lines(stderr: str) -> list[str]:
+    """Lines of stderr other than Lightning's own progress and info messages."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith("Seed set to")]
+
+
+def test_every_config_has_a_run():
+    assert sorted(CONFIG_RUNS) == sorted(path.name for path in CONFIGS.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_RUNS))
+def test_config_fast_dev_run(name, in_tmp):
+    data, overrides = CONFIG_RUNS[name]
+    if data is not None and not (DATA / data).is_dir():
+        pytest.skip(f"{DATA / data} is absent: the shared real data sets are not on this machine")
+    overrides = [arg.format(data=DATA / data if data else "", tmp=in_tmp) for arg in overrides]
+    main(["fit", f"--config={CONFIGS / name}", "--trainer.fast_dev_run=true", *overrides])
+
+
+def test_every_config_compresses_activations():
+    for path in CONFIGS.glob("*.yaml"):
+        callbacks = yaml.safe_load(path.read_text())["trainer"]["callbacks"]
+        assert any(cb["class_path"] == "ActCompression" for cb in callbacks), path.name
+
+
+def test_validate_and_test_subcommands(in_tmp):
+    if not (DATA / "planetoid").is_dir():
+        pytest.skip(f"{DATA / 'planetoid'} is absent: the shared real data sets are not on this machine")
+    common = [f"--config={CONFIGS / 'cora_gcn.yaml'}", f"--data.root={DATA / 'planetoid'}",
+              f"--data.cache_dir={in_tmp / 'planetoid'}", "--trainer.fast_dev_run=true"]
+    main(["validate", *common])
+    main(["test", *common])
+
+
+def test_quickstart_is_the_default(in_tmp, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--print_config"])
+    assert exit_info.value.code == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert config["model"]["class_path"].endswith("ImageClassifier")
+    assert config["data"]["class_path"].endswith("SyntheticImageDataModule")
+    (compression,) = [cb for cb in config["trainer"]["callbacks"] if cb["class_path"].endswith("ActCompression")]
+    assert compression["init_args"]["bits"] == 2
+
+
+def test_quickstart_runs_and_prints_the_summary(tmp_path):
+    # The quickstart as shipped, cut to a few steps; `python -m lightning_act` end to end.
+    result = run_module(
+        "fit", f"--config={CONFIGS / 'quickstart.yaml'}", "--trainer.max_epochs=1",
+        "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "activation memory of the last training step" in output
+    assert "saved tensors by decision" in output
+    total = next(line for line in output.splitlines() if line.startswith("total "))
+    ratio = float(total.split()[3].rstrip("x"))
+    assert ratio > 4.0, total
+    assert list((tmp_path / "lightning_logs" / "quickstart").glob("version_*/events.out.tfevents.*"))
+
+
+def test_bad_bits_on_the_command_line_fails_in_one_line(tmp_path):
+    result = run_module("fit", "--trainer.callbacks+=ActCompression", "--trainer.callbacks.bits=3", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("lightning-act fit: error: ActCompression: ")
+    assert "bits=3" in lines[0] and ALLOWED_BITS in lines[0]
+
+
+def test_bad_bits_in_a_config_fails_in_one_line(in_tmp, capsys):
+    config = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())
+    (compression,) = [cb for cb in config["trainer"]["callbacks"] if cb["class_path"] == "ActCompression"]
+    compression["init_args"]["bits"] = 3
+    path = in_tmp / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", f"--config={path}"])
+    assert exit_info.value.code == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert lines == [f"lightning-act fit: error: ActCompression: bits=3 is not supported; allowed: {ALLOWED_BITS}"]
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (
+            ["--trainer.callbacks+=ActCompression", "--trainer.callbacks.bits=three"],
+            "ActCompression (trainer.callbacks): bits=three is not valid; allowed: int",
+        ),
+        (["--model.optimizer=adam"], "ImageClassifier (model): optimizer=adam is not valid; allowed: 'sgd', 'adamw'"),
+        (["--trainer.max_epochs=x"], "trainer.max_epochs=x is not valid; allowed: int, null"),
+        (
+            ["--model.arch=resnet19"],
+            "ImageClassifier: arch='resnet19' is not a torchvision ResNet; allowed: resnet18, resnet34, resnet50",
+        ),
+        (["--model=NoSuchModel"], "model=NoSuchModel is not a known class; allowed: "),
+    ],
+)
+def test_bad_values_fail_in_one_line(args, expected, in_tmp, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *args])
+    assert exit_info.value.code == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1
+    assert lines[0].startswith(f"lightning-act fit: error: {expected}")
+
+
+def test_unknown_option_lists_the_accepted_ones(in_tmp, capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--model.learning_rate=0.1"])
+    (line,) = error_lines(capsys.readouterr().err)
+    assert "option 'learning_rate' is not accepted; allowed: arch, num_classes, cifar_stem, optimizer, lr" in line
+
+
+def test_missing_data_fails_in_one_line(in_tmp, capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", f"--config={CONFIGS / 'cifar10_resnet18.yaml'}", f"--data.data_dir={in_tmp / 'nowhere'}"])
+    (line,) = error_lines(capsys.readouterr().err)
+    assert line.startswith("lightning-act fit: error: CIFAR10DataModule: data_dir=") and "download=true" in line
+
+
+def test_one_line_passes_single_lines_through():
+    assert one_line("unrecognized arguments: --foo=1") == "unrecognized arguments: --foo=1"

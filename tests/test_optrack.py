@@ -1,0 +1,91 @@
+"""OpTracker: the op that saves a tensor, as a pack hook sees it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_act.codecs.exact import IndexCodec
+from lightning_act.optrack import OpTracker, saved_index_range
+
+
+def saves_by_op(forward, tracker: OpTracker) -> list[tuple[str | None, torch.dtype, tuple]]:
+    """(op, dtype, shape) of every tensor saved while ``forward`` runs under the tracker."""
+    saved = []
+
+    def pack(t):
+        saved.append((tracker.current(), t.dtype, tuple(t.shape)))
+        return t
+
+    with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return saved
+
+
+def test_names_the_op_that_saves():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    conv = nn.Conv2d(3, 4, 3)
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    steps = {
+        "relu": lambda: F.relu(x),
+        "conv2d": lambda: conv(x),
+        "max_pool2d": lambda: nn.MaxPool2d(2)(x),
+        "dropout": lambda: F.dropout(x, 0.5, training=True),
+        "linear": lambda: nn.Linear(8, 5)(x),
+        "softmax": lambda: F.softmax(x, -1),
+        "layer_norm": lambda: nn.LayerNorm(8)(x),
+        "scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(q, q, q),
+    }
+    for name, step in steps.items():
+        saved = saves_by_op(step, OpTracker())
+        assert saved, name
+        assert {op for op, _, _ in saved} == {name}, saved
+
+
+def test_reports_the_outermost_function_and_pops_on_errors():
+    tracker = OpTracker()
+    x = torch.randn(4, requires_grad=True)
+    # F.relu calls torch.relu: the mode is off inside its own handler, so only "relu" is seen
+    assert saves_by_op(lambda: F.relu(x), tracker) == [("relu", torch.float32, (4,))]
+    assert saves_by_op(lambda: x.relu(), tracker)[0][0] == "relu"
+    assert saves_by_op(lambda: x * x, tracker)[0][0] == "mul"
+    assert tracker.current() is None and tracker.current_call() is None
+    with tracker, pytest.raises(RuntimeError):
+        torch.mm(x, x)  # 1-D inputs: raises inside the function
+    assert tracker.current() is None
+
+
+def test_max_pool_indices_come_with_a_bound():
+    tracker = OpTracker()
+    x = torch.randn(2, 3, 15, 13, requires_grad=True)
+    records = []
+
+    def pack(t):
+        if not t.is_floating_point():
+            value_range = saved_index_range(tracker.current_call())
+            records.append((t, value_range, IndexCodec().pack(t.contiguous(), 2, 0, value_range=value_range)))
+        return t
+
+    with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.max_pool2d(x, 3, 2)
+    (indices, value_range, record) = records[0]
+    assert value_range == (0, 15 * 13 - 1)
+    assert int(indices.max()) <= value_range[1]
+    assert record.width == 8 and torch.equal(record.unpack(), indices)
+    assert saved_index_range(None) is None
+
+
+def test_steps_aside_under_torch_compile():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2))
+    x = torch.randn(2, 3, 9, 9, requires_grad=True)
+    expected = model(x)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # a graph break would raise
+    tracker = OpTracker()
+    saved = saves_by_op(lambda: compiled(x), tracker)
+    assert saved and all(op is None for op, _, _ in saved)  # saved inside the compiled graph
+    with tracker:
+        assert torch.allclose(compiled(x), expected)
