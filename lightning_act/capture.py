@@ -311,8 +311,8 @@ class ActivationCapture:
     ):
         self.config = config or CompressionConfig()
         self.codec = make_codec(self.config.codec, self.config.group_size, self.config.block)
-        self._mask_codec = MaskCodec()
-        self._index_codec = IndexCodec()
+        index_codec = IndexCodec()
+        self._lossless_codecs = {torch.bool: MaskCodec(), **{dtype: index_codec for dtype in INDEX_DTYPES}}
         self.policy = policy or FixedBits(self.config.bits)
         self.model = model
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
@@ -490,18 +490,18 @@ class ActivationCapture:
         if self._paused or torch._C._current_graph_task_id() != -1 or torch.compiler.is_compiling():
             return t.detach()  # a detached alias, never t itself: returning t can leak it
         module = self._stack[-1] if self._stack else OUTSIDE_MODULES
-        if not t.is_floating_point():
-            return self._pack_lossless(module, t)
-        param, recastable = _source_parameter(t)
-        if param is not None:
-            if recastable:
-                self._account(module, t, "recast", 0)
-                return _RecastWeight(param, t)
-            if param.dtype == t.dtype:
-                self._count_uncounted("parameter")
-            else:
-                self._account(module, t, "kept", 0)
-            return t.detach()
+        floating = t.is_floating_point()
+        if floating:
+            param, recastable = _source_parameter(t)
+            if param is not None:
+                if recastable:
+                    self._account(module, t, "recast", 0)
+                    return _RecastWeight(param, t)
+                if param.dtype == t.dtype:
+                    self._count_uncounted("parameter")
+                else:
+                    self._account(module, t, "kept", 0)
+                return t.detach()
         ptr = t.untyped_storage().data_ptr()
         if self._live(self._external, ptr):
             self._count_uncounted("external")
@@ -511,11 +511,24 @@ class ActivationCapture:
         if cached is not None and not cached[0].expired():
             self._account(module, t, "deduplicated", 0)
             return cached[1]
-        laid_out = _Layout.dense_view(t)
+        # Masks and indices are stored losslessly in fewer bits; other dtypes (complex) as they are.
+        lossless = None if floating else self._lossless_codecs.get(t.dtype)
+        laid_out = _Layout.dense_view(t) if floating or lossless is not None else None
         if laid_out is None or laid_out[0].numel() < self.config.min_numel:
             self._account(module, t, "kept", 0)
             return t.detach()
         dense, layout = laid_out
+        if floating:
+            saved = self._store(t, dense, layout, module)
+        else:
+            record = lossless.pack(dense, 0, 0)
+            self._account(module, t, "lossless", record.nbytes)
+            saved = _Compressed(record, layout)
+        self._dedup[key] = (StorageWeakRef(t.untyped_storage()), saved)
+        return saved
+
+    def _store(self, t: torch.Tensor, dense: torch.Tensor, layout: _Layout, module: str) -> Any:
+        """A floating-point tensor: its slot, then its bits from the policy, then the codec."""
         slot = self._next_slot(module)
         self.slots[slot] = SlotInfo(
             module=module,
@@ -526,37 +539,8 @@ class ActivationCapture:
         )
         if self._probe is not None:
             self._probe.slots.append(slot)
-            saved = _ProbeRecord(self._probe, slot, t.detach())
             self._account(module, t, "exact", 0)
-        else:
-            saved = self._store(t, dense, layout, slot, module)
-        self._dedup[key] = (StorageWeakRef(t.untyped_storage()), saved)
-        return saved
-
-    def _pack_lossless(self, module: str, t: torch.Tensor) -> Any:
-        """Masks and indices: stored losslessly in fewer bits when large enough."""
-        codec = self._mask_codec if t.dtype == torch.bool else self._index_codec if t.dtype in INDEX_DTYPES else None
-        ptr = t.untyped_storage().data_ptr()
-        if self._live(self._external, ptr):
-            self._count_uncounted("external")
-            return t.detach()
-        key = (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
-        cached = self._dedup.get(key)
-        if cached is not None and not cached[0].expired():
-            self._account(module, t, "deduplicated", 0)
-            return cached[1]
-        laid_out = None if codec is None else _Layout.dense_view(t)
-        if laid_out is None or laid_out[0].numel() < self.config.min_numel:
-            self._account(module, t, "kept", 0)
-            return t.detach()
-        dense, layout = laid_out
-        record = codec.pack(dense, 0, 0)
-        self._account(module, t, "lossless", record.nbytes)
-        saved = _Compressed(record, layout)
-        self._dedup[key] = (StorageWeakRef(t.untyped_storage()), saved)
-        return saved
-
-    def _store(self, t: torch.Tensor, dense: torch.Tensor, layout: _Layout, slot: str, module: str) -> Any:
+            return _ProbeRecord(self._probe, slot, t.detach())
         bits = self.policy.bits_for(slot, module)
         dense_bytes = dense.numel() * dense.element_size()
         if bits is None:
