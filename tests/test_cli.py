@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from lightning_act.cli import main, one_line
+from lightning_act.examples import PlanetoidDataModule
 from lightning_act.ops import SUPPORTED_BITS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,6 +86,29 @@ def test_validate_and_test_subcommands(in_tmp):
     main(["test", *common])
 
 
+def test_read_only_planetoid_root_is_never_written(tmp_path):
+    shared_raw = DATA / "planetoid" / "Cora" / "raw"
+    if not shared_raw.is_dir():
+        pytest.skip(f"{shared_raw} is absent: the shared real data sets are not on this machine")
+    raw = tmp_path / "shared" / "Cora" / "raw"
+    raw.mkdir(parents=True)
+    for file in shared_raw.iterdir():
+        (raw / file.name).write_bytes(file.read_bytes())
+    for folder in (raw, raw.parent, raw.parent.parent):
+        folder.chmod(0o555)
+    try:
+        datamodule = PlanetoidDataModule(root=str(tmp_path / "shared"), cache_dir=str(tmp_path / "cache"))
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+        assert sorted(path.name for path in raw.parent.iterdir()) == ["raw"]
+        assert (tmp_path / "cache" / "Cora" / "processed").is_dir()
+        assert (datamodule.num_features, datamodule.num_classes) == (1433, 7)
+        assert int(datamodule.data.train_mask.sum()) == 140
+    finally:
+        for folder in (raw, raw.parent, raw.parent.parent):
+            folder.chmod(0o755)
+
+
 def test_quickstart_is_the_default(in_tmp, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--print_config"])
@@ -108,7 +132,7 @@ def test_quickstart_runs_and_prints_the_summary(tmp_path):
     assert "saved tensors by decision" in output
     total = next(line for line in output.splitlines() if line.startswith("total "))
     ratio = float(total.split()[3].rstrip("x"))
-    assert ratio > 4.0, total
+    assert ratio > 10.0, total  # 2-bit codes plus per-group statistics: 13.9x on this model
     assert list((tmp_path / "lightning_logs" / "quickstart").glob("version_*/events.out.tfevents.*"))
 
 

@@ -161,15 +161,19 @@ class PlanetoidDataModule(pl.LightningDataModule):
         self.num_classes: int | None = None
 
     def _writable_root(self) -> Path:
-        if os.access(self.root, os.W_OK) or not self.root.exists():
+        """``root`` if PyG may write ``processed/`` there, else ``cache_dir`` with the raw files."""
+        if _writable(self.root / self.name):
             return self.root
         raw = self.root / self.name / "raw"
         cached_raw = self.cache_dir / self.name / "raw"
         if raw.is_dir() and not cached_raw.is_dir():
             # Copy to a sibling first and rename: an interrupted copy never looks complete.
+            # File contents only: the copies must not inherit the read-only permissions.
             partial = cached_raw.with_name("raw.part")
             shutil.rmtree(partial, ignore_errors=True)
-            shutil.copytree(raw, partial)
+            partial.mkdir(parents=True)
+            for file in raw.iterdir():
+                shutil.copyfile(file, partial / file.name)
             partial.rename(cached_raw)
         return self.cache_dir
 
@@ -200,6 +204,17 @@ class PlanetoidDataModule(pl.LightningDataModule):
 
 def _identity(data: Data) -> Data:
     return data
+
+
+def _writable(path: Path) -> bool:
+    """Whether ``path`` (or, if missing, the folder it would be created in) may be written.
+
+    The permission bits count even for root, who may write anywhere: a folder marked
+    read-only holds shared data that must not change under other users.
+    """
+    while not path.exists():
+        path = path.parent
+    return os.access(path, os.W_OK) and bool(path.stat().st_mode & 0o222)
 
 
 def _default_cache_dir() -> Path:
