@@ -43,8 +43,12 @@ class ActCompression(Callback):
         budget: average bits per value for the adaptive policy (fractional allowed, 1 to
             8); per-group statistics count, so ``budget=2`` stores what ``bits=2`` stores.
             Mutually exclusive with a non-default ``bits``.
-        rules: per-module overrides by qualified-name pattern, e.g.
-            ``{"conv1": 8, "fc": "exact", "blocks.*.attn*": 8}``; first match wins.
+        rules: overrides by module and by op, first match wins: a key is a pattern on the
+            qualified module name (relative to the LightningModule, e.g. ``"net.layer4.*"``)
+            or ``"op:"`` and a pattern on the torch function that saved the tensor
+            (``"op:scaled_dot_product_attention"``); a value pins the bits (1, 2, 4, 8,
+            ``"exact"``), the codec (``"quant"``, ``"division"``, ``"pool"``) or both
+            (``"division:4"``). See :class:`~lightning_act.policy.SaveRules`.
         group_size: consecutive values sharing one (low, step) pair, a power of two in
             [8, 65536].
         min_numel: saved tensors with fewer elements are kept as they are.
@@ -52,8 +56,9 @@ class ActCompression(Callback):
             never changes the user's random numbers (dropout masks, data order).
         codec: how float activations are stored: ``"quant"`` (per-group quantization),
             ``"division"`` (DIVISION: 16-bit ``block`` x ``block`` averages plus the residual
-            at ``bits``) or ``"pool"`` (an average-pooled copy; lossy and biased). Masks and
-            indices are always stored losslessly.
+            at ``bits``) or ``"pool"`` (an average-pooled copy; lossy and biased). Masks,
+            indices, LeakyReLU's and dropout's 1-bit tensors are always stored losslessly,
+            and ReLU outputs by the quantizer, which keeps their zeros exact.
         block: DIVISION's tile, or the pool codec's kernel.
         estimator: how the adaptive policy measures sensitivity: ``"gradient"`` reuses the
             normal training steps (no extra passes); ``"probe"`` runs GACT's probes, one

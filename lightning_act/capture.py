@@ -4,7 +4,10 @@ stored, store it at once, attribute it to the module that saved it, and account 
 Framework-free: :class:`ActivationCapture` works with any ``nn.Module`` (or none), and the
 Lightning callback is a thin scheduler around it. The decision for one saved tensor:
 
-* a boolean mask or integer indices: stored losslessly in the fewest bits they need;
+* a boolean mask or integer indices: stored losslessly in the fewest bits they need
+  (max-pool indices with the bound their op implies, so without a device synchronisation);
+* a float tensor that holds one bit per value for its op (LeakyReLU's input, read only
+  for its sign; dropout's noise on the CPU): a 1-bit mask, exact;
 * too small, or laid out with overlapping elements (a broadcast/unfolded view whose dense
   copy would be larger): kept as it is;
 * a parameter, a view of one, or a tensor that belongs to the step's input batch: kept
@@ -12,7 +15,13 @@ Lightning callback is a thin scheduler around it. The decision for one saved ten
 * a cast copy of a parameter (autocast's bf16/fp16 weights): not kept at all; it is cast
   again from the parameter when backward needs it, which is exact;
 * anything else: compressed now, at pack time (a deferred copy would miss in-place
-  changes, which autograd no longer detects once hooks are installed).
+  changes, which autograd no longer detects once hooks are installed), by the codec and
+  bits that the rules (by module and by op) and the policy choose. A ReLU output, whose
+  backward reads ``out > 0`` and which the next layer saves too, is stored once by a codec
+  that keeps zeros exact (the quantizer, at 2 bits or more), so ReLU's gradient is exact.
+
+Which op saves a tensor comes from an :class:`~lightning_act.optrack.OpTracker` entered
+for the session.
 """
 
 from __future__ import annotations
@@ -26,15 +35,30 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_act.codecs import DivisionCodec, GroupQuantCodec, IndexCodec, MaskCodec, make_codec
+from lightning_act.codecs import DivisionCodec, GroupQuantCodec, IndexCodec, MaskCodec, SignMaskCodec, make_codec
 from lightning_act.codecs.exact import INDEX_DTYPES
-from lightning_act.config import CompressionConfig
+from lightning_act.config import CODECS, CompressionConfig
 from lightning_act.ops import count_nonfinite_groups
+from lightning_act.optrack import OpTracker, saved_index_range
 from lightning_act.policy import BitPolicy, FixedBits, SlotInfo
 from lightning_act.policy.bits import bits_name
 from lightning_act.policy.estimators import GradientSensitivity
 
 OUTSIDE_MODULES = "<outside modules>"
+
+# Ops whose backward reads only ``out > 0`` of the output they save, while the next layer
+# usually saves the same tensor for its values.
+_ZERO_EXACT_OPS = frozenset({"relu", "relu_"})
+# Ops that read the tensor they save only for its sign.
+_SIGN_ONLY_OPS = frozenset({"leaky_relu", "leaky_relu_"})
+# Dropout on the CPU saves its noise, bernoulli(1 - p) / (1 - p): a mask and a known scale
+# (on a GPU it saves a boolean mask, stored losslessly like any other).
+_DROPOUT_OPS = frozenset({"dropout", "dropout_"})
+
+
+def _dropout_keep_probability(call) -> float:
+    p = call.kwargs.get("p", call.args[1] if len(call.args) > 1 else 0.5)
+    return 1.0 - float(p)
 
 # Autograd nodes that only view or cast their single input: following them from a saved
 # tensor tells whether it is a parameter in disguise.
@@ -78,21 +102,28 @@ class ModuleMemory:
     tensors: int = 0
     compressed: int = 0
     bits: set = field(default_factory=set)
+    codecs: set = field(default_factory=set)
 
     def bits_label(self) -> str:
         """The bit widths used, e.g. ``"2"`` or ``"2,8,exact"`` (``-`` when none applied)."""
         return ",".join(bits_name(b) for b in sorted(self.bits, key=lambda b: 99 if b is None else b)) or "-"
 
+    def codecs_label(self) -> str:
+        """How its tensors are stored, e.g. ``"quant"`` or ``"division,quant,index"``."""
+        return ",".join(sorted(self.codecs)) or "-"
+
 
 @dataclass
 class SlotMemory:
-    """One stored tensor: where it was saved, its shape, bits and bytes."""
+    """One stored tensor: where and by which op it was saved, its shape, codec, bits and bytes."""
 
     module: str
     shape: tuple[int, ...]
     bits: int | None
     saved_bytes: int
     stored_bytes: int
+    codec: str = "stored"
+    op: str | None = None
 
 
 @dataclass
@@ -121,12 +152,12 @@ class CompressionReport:
         """A fixed-width table of the modules that save the most, then the totals."""
         rows = sorted(self.modules.items(), key=lambda kv: kv[1].saved_bytes, reverse=True)
         width = max([len("module")] + [len(name) for name, _ in rows[:max_modules]])
-        lines = [f"{'module':<{width}}  {'saved MiB':>10}  {'stored MiB':>10}  {'ratio':>7}  {'tensors':>7}  bits"]
+        lines = [f"{'module':<{width}}  {'saved MiB':>10}  {'stored MiB':>10}  {'ratio':>7}  {'tensors':>7}  {'bits':<8}  codec"]
         for name, m in rows[:max_modules]:
             ratio = m.saved_bytes / m.stored_bytes if m.stored_bytes else float("inf")
             lines.append(
                 f"{name:<{width}}  {m.saved_bytes / 2**20:>10.3f}  {m.stored_bytes / 2**20:>10.3f}"
-                f"  {ratio:>6.2f}x  {m.tensors:>7}  {m.bits_label()}"
+                f"  {ratio:>6.2f}x  {m.tensors:>7}  {m.bits_label():<8}  {m.codecs_label()}"
             )
         if len(rows) > max_modules:
             lines.append(f"... {len(rows) - max_modules} more modules")
@@ -310,9 +341,13 @@ class ActivationCapture:
         policy: BitPolicy | None = None,
     ):
         self.config = config or CompressionConfig()
-        self.codec = make_codec(self.config.codec, self.config.group_size, self.config.block)
-        index_codec = IndexCodec()
-        self._lossless_codecs = {torch.bool: MaskCodec(), **{dtype: index_codec for dtype in INDEX_DTYPES}}
+        self._codecs = {name: make_codec(name, self.config.group_size, self.config.block) for name in CODECS}
+        #: The codec of float tensors that no rule assigns another.
+        self.codec = self._codecs[self.config.codec]
+        self._index_codec = IndexCodec()
+        self._sign_codec = SignMaskCodec()
+        self._lossless_codecs = {torch.bool: MaskCodec(), **{dtype: self._index_codec for dtype in INDEX_DTYPES}}
+        self._tracker = OpTracker()
         self.policy = policy or FixedBits(self.config.bits)
         self.model = model
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
@@ -368,6 +403,7 @@ class ActivationCapture:
             nn.modules.module.register_module_forward_pre_hook(self._enter_module),
             nn.modules.module.register_module_forward_hook(self._leave_module, always_call=True),
         ]
+        self._tracker.__enter__()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
         self._active = True
@@ -381,6 +417,7 @@ class ActivationCapture:
         try:
             self._hooks.__exit__(None, None, None)
         finally:
+            self._tracker.__exit__(None, None, None)
             self._hooks = None
             for handle in self._module_hooks:
                 handle.remove()
@@ -506,56 +543,75 @@ class ActivationCapture:
         if self._live(self._external, ptr):
             self._count_uncounted("external")
             return t.detach()
-        key = (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
+        call = self._tracker.current_call()
+        op = None if call is None else call.name
+        as_mask = floating and (op in _SIGN_ONLY_OPS or op in _DROPOUT_OPS)
+        # A mask serves only its op: the same tensor saved by another op is stored again.
+        key = (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version, as_mask)
         cached = self._dedup.get(key)
         if cached is not None and not cached[0].expired():
             self._account(module, t, "deduplicated", 0)
             return cached[1]
         # Masks and indices are stored losslessly in fewer bits; other dtypes (complex) as they are.
-        lossless = None if floating else self._lossless_codecs.get(t.dtype)
+        lossless = self._sign_codec if as_mask else None if floating else self._lossless_codecs.get(t.dtype)
         laid_out = _Layout.dense_view(t) if floating or lossless is not None else None
         if laid_out is None or laid_out[0].numel() < self.config.min_numel:
             self._account(module, t, "kept", 0)
             return t.detach()
         dense, layout = laid_out
-        if floating:
-            saved = self._store(t, dense, layout, module)
+        if lossless is None:
+            saved = self._store(t, dense, layout, module, op)
         else:
-            record = lossless.pack(dense, 0, 0)
-            self._account(module, t, "lossless", record.nbytes)
+            if lossless is self._index_codec:
+                record = lossless.pack(dense, 0, 0, value_range=saved_index_range(call))
+            elif op in _DROPOUT_OPS:
+                record = lossless.pack(dense, 0, 0, divisor=_dropout_keep_probability(call))
+            else:
+                record = lossless.pack(dense, 0, 0)
+            self._account(module, t, "lossless", record.nbytes).codecs.add(record.codec)
             saved = _Compressed(record, layout)
         self._dedup[key] = (StorageWeakRef(t.untyped_storage()), saved)
         return saved
 
-    def _store(self, t: torch.Tensor, dense: torch.Tensor, layout: _Layout, module: str) -> Any:
-        """A floating-point tensor: its slot, then its bits from the policy, then the codec."""
+    def _codec_for(self, module: str, op: str | None):
+        rule = self.policy.rules.lookup(module, op)
+        codec = self._codecs[rule.codec] if rule is not None and rule.codec else self.codec
+        # ReLU's backward reads its output's zeros, and the next layer's record is that same one.
+        return self._codecs["quant"] if op in _ZERO_EXACT_OPS and not codec.keeps_zeros else codec
+
+    def _store(self, t: torch.Tensor, dense: torch.Tensor, layout: _Layout, module: str, op: str | None) -> Any:
+        """A floating-point tensor: its slot, then its codec and bits from the rules and policy."""
         slot = self._next_slot(module)
-        self.slots[slot] = SlotInfo(
+        info = self.slots[slot] = SlotInfo(
             module=module,
             shape=tuple(t.shape),
             numel=dense.numel(),
             groups=-(-dense.numel() // self.config.group_size),
             element_bits=dense.element_size() * 8,
+            op=op,
+            min_bits=2 if op in _ZERO_EXACT_OPS else 1,
         )
         if self._probe is not None:
             self._probe.slots.append(slot)
             self._account(module, t, "exact", 0)
             return _ProbeRecord(self._probe, slot, t.detach())
-        bits = self.policy.bits_for(slot, module)
+        bits = self.policy.bits_for(slot, info)
         dense_bytes = dense.numel() * dense.element_size()
         if bits is None:
             memory = self._account(module, t, "exact", 0)
             memory.bits.add(None)
-            self.report.slots[slot] = SlotMemory(module, tuple(t.shape), None, dense_bytes, dense_bytes)
+            self.report.slots[slot] = SlotMemory(module, tuple(t.shape), None, dense_bytes, dense_bytes, "stored", op)
             return t.detach()
+        codec = self._codec_for(module, op)
         self._packs += 1
-        record = self.codec.pack(dense, bits, splitmix64(self._seed + self._packs) >> 1)
+        record = codec.pack(dense, bits, splitmix64(self._seed + self._packs) >> 1)
         self._stats.append(record.stats)
-        if self.estimator is not None and isinstance(self.codec, (GroupQuantCodec, DivisionCodec)):
-            self.estimator.observe_stats(slot, module, record.stats, bits, self.codec.group_size)
+        if self.estimator is not None and isinstance(codec, (GroupQuantCodec, DivisionCodec)):
+            self.estimator.observe_stats(slot, module, record.stats, bits, codec.group_size)
         memory = self._account(module, t, "compressed", record.nbytes)
         memory.bits.add(bits)
-        self.report.slots[slot] = SlotMemory(module, tuple(t.shape), bits, dense_bytes, record.nbytes)
+        memory.codecs.add(record.codec)
+        self.report.slots[slot] = SlotMemory(module, tuple(t.shape), bits, dense_bytes, record.nbytes, record.codec, op)
         return _Compressed(record, layout)
 
 

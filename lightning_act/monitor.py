@@ -38,11 +38,12 @@ def allocation_table(
     variance: Mapping[str, Mapping[int, float]],
     report: CompressionReport,
 ) -> str:
-    """A markdown table: slot, module, shape, bits, bytes kept vs stored, and the estimated
-    gradient variance the tensor adds at 2 bits (its sensitivity) and at its chosen bits."""
+    """A markdown table: slot, module, the op that saved it, shape, bits, codec, bytes kept vs
+    stored, and the estimated gradient variance the tensor adds at 2 bits (its sensitivity)
+    and at its chosen bits."""
     lines = [
-        "| tensor | module | shape | bits | saved KiB | stored KiB | variance at 2 bits | at its bits |",
-        "|---|---|---|---|---:|---:|---:|---:|",
+        "| tensor | module | op | shape | bits | codec | saved KiB | stored KiB | variance at 2 bits | at its bits |",
+        "|---|---|---|---|---|---|---:|---:|---:|---:|",
     ]
     for slot, bits in assignment.items():
         info = slots.get(slot)
@@ -51,11 +52,12 @@ def allocation_table(
         memory = report.slots.get(slot)
         saved = f"{memory.saved_bytes / 1024:.1f}" if memory else "-"
         stored = f"{memory.stored_bytes / 1024:.1f}" if memory else "-"
+        codec = memory.codec if memory else "-"
         table = variance.get(slot, {})
         at_bits = 0.0 if bits is None else table.get(bits, float("nan"))
         lines.append(
-            f"| {slot} | {info.module} | {'x'.join(map(str, info.shape))} | {bits_name(bits)} | {saved} | {stored} "
-            f"| {table.get(2, float('nan')):.3e} | {at_bits:.3e} |"
+            f"| {slot} | {info.module} | {info.op or '-'} | {'x'.join(map(str, info.shape))} | {bits_name(bits)} "
+            f"| {codec} | {saved} | {stored} | {table.get(2, float('nan')):.3e} | {at_bits:.3e} |"
         )
     return "\n".join(lines)
 

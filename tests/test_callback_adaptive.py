@@ -51,7 +51,7 @@ def test_recalibrates_and_logs_every_panel_to_tensorboard(tmp_path, estimator):
     assert any(t.startswith("act/allocation") for t in tags["tensors"])  # add_text is stored as a tensor
     text = events.Tensors(next(t for t in tags["tensors"] if t.startswith("act/allocation")))[-1]
     table = text.tensor_proto.string_val[0].decode()
-    assert table.startswith("| tensor | module | shape | bits |") and "| net." in table
+    assert table.startswith("| tensor | module | op | shape | bits | codec |") and "| net." in table
 
 
 class Snapshot(Callback):

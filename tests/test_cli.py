@@ -136,6 +136,24 @@ def test_quickstart_runs_and_prints_the_summary(tmp_path):
     assert list((tmp_path / "lightning_logs" / "quickstart").glob("version_*/events.out.tfevents.*"))
 
 
+def test_codecs_chosen_in_yaml_show_in_the_summary(tmp_path):
+    config = yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())
+    (compression,) = [cb for cb in config["trainer"]["callbacks"] if cb["class_path"] == "ActCompression"]
+    compression["init_args"].update(codec="quant", rules={"net.layer1.*": "pool", "op:batch_norm": "division:4"})
+    path = tmp_path / "codecs.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = run_module(
+        "fit", f"--config={path}", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
+        "--trainer.limit_val_batches=1", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in (result.stdout + result.stderr).splitlines() if line.strip()}
+    # module, saved MiB, stored MiB, ratio, tensors, bits, codec
+    assert rows["net.bn1"][5:7] == ["4", "division"]  # the op rule
+    assert rows["net.layer1.0.bn1"][5:7] == ["2", "pool"]  # the module rule, listed first
+    assert rows["net.relu"][5:7] == ["2", "quant"]  # no rule
+
+
 def test_bad_bits_on_the_command_line_fails_in_one_line(tmp_path):
     result = run_module("fit", "--trainer.callbacks+=ActCompression", "--trainer.callbacks.bits=3", cwd=tmp_path)
     assert result.returncode == 2

@@ -7,6 +7,7 @@ inputs (a failing case prints the generator seed that reproduces it).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -16,6 +17,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_act import ActivationCapture, CompressionConfig, ops
+from lightning_act.capture import OUTSIDE_MODULES
 from lightning_act.codecs import GroupQuantCodec
 from lightning_act.codecs.division import DivisionCodec, DivisionTensor
 from lightning_act.codecs.exact import IndexCodec, IndexTensor, MaskCodec, SignMaskCodec, StoredTensor
@@ -23,6 +25,7 @@ from lightning_act.codecs.pool import PoolCodec, PooledTensor
 from lightning_act.codecs.quant import QuantizedTensor
 from lightning_act.ops import division as division_ops
 from lightning_act.ops import reference
+from lightning_act.policy import FixedBits
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEVICES = (
@@ -484,3 +487,102 @@ def test_nbytes_is_what_the_record_keeps_allocated(codec, make_input):
     kept = sum(event.self_cpu_memory_usage for event in prof.events())
     assert kept == record.nbytes
     assert record.nbytes < x.numel() * x.element_size()
+
+
+# --------------------------------------------------------------------------- choosing by op and module
+@pytest.mark.parametrize("codec", ["quant", "division", "pool"])
+def test_relu_leaky_relu_and_dropout_paths_give_bit_exact_gradients(codec, generator):
+    """Only masks and signs reach the first layers' weight gradient: it must not change at all.
+
+    ReLU's output is stored by a codec that keeps zeros exact whatever the configured codec,
+    LeakyReLU's input as a 1-bit sign mask, dropout's mask losslessly.
+    """
+    torch.manual_seed(0)
+    relu_branch, leaky_branch, head = nn.Linear(64, 128), nn.Linear(64, 128), nn.Linear(128, 10)
+    x = torch.randn(64, 64, generator=generator)
+    weights = torch.randn(64, 10, generator=generator)
+
+    def grads(capture):
+        torch.manual_seed(1)  # the same dropout masks in both runs
+        with capture.capturing(inputs=(x, weights)) if capture else contextlib.nullcontext():
+            hidden = nn.functional.dropout(torch.relu(relu_branch(x)), 0.3) + nn.functional.leaky_relu(leaky_branch(x))
+            loss = (head(hidden) * weights).sum()
+        params = [relu_branch.weight, leaky_branch.weight, head.weight]
+        return torch.autograd.grad(loss, params)
+
+    exact = grads(None)
+    capture = ActivationCapture(CompressionConfig(bits=2, codec=codec, block=2, min_numel=1024))
+    got = grads(capture)
+    assert torch.equal(got[0], exact[0])
+    assert torch.equal(got[1], exact[1])
+    if codec != "pool":  # pool keeps 2-D tensors such as the head's input
+        assert not torch.equal(got[2], exact[2])  # the head's input was really compressed
+    assert {slot.op: slot.codec for slot in capture.report.slots.values()}["relu"] == "quant"
+    # LeakyReLU's input and (on the CPU) dropout's noise: 1-bit masks.
+    assert capture.report.counts["lossless"] == 2
+    assert "sign_mask" in capture.report.modules[OUTSIDE_MODULES].codecs
+
+
+def test_max_pool_indices_are_bounded_by_the_op_without_measuring(monkeypatch, generator):
+    """Indices into a 56x56 plane take 16 bits, known from the call: no aminmax, no sync."""
+    pool = nn.MaxPool2d(3, stride=2, padding=1)
+    x = torch.randn(2, 8, 56, 56, generator=generator, requires_grad=True)
+    grad = torch.randn(2, 8, 28, 28, generator=generator)
+    (exact,) = torch.autograd.grad(pool(x), x, grad)
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("the index range was measured on the device")
+
+    monkeypatch.setattr(torch, "aminmax", no_measuring)
+    capture = ActivationCapture(CompressionConfig(bits=2), pool)
+    with capture.capturing(inputs=x):
+        out = pool(x)
+    (got,) = torch.autograd.grad(out, x, grad)
+    assert torch.equal(got, exact)
+    assert capture.report.counts == {"external": 1, "lossless": 1}
+    assert capture.report.stored_bytes == 2 * 8 * 28 * 28 * 2  # 16-bit codes instead of int64
+    assert capture.report.modules["MaxPool2d"].codecs == {"index"}
+
+
+def test_rules_choose_codec_and_bits_by_module_and_by_op(generator):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+    )
+    x = torch.randn(4, 3, 16, 16, generator=generator)
+    rules = {"4": "division:4", "op:batch_norm": "pool", "op:relu": 8}
+    capture = ActivationCapture(CompressionConfig(bits=2, min_numel=256), model, FixedBits(2, rules))
+    with capture.capturing(inputs=x):
+        model(x).square().mean().backward()
+    stored = {slot: (memory.op, memory.codec, memory.bits) for slot, memory in capture.report.slots.items()}
+    assert stored == {
+        "1#0": ("batch_norm", "pool", 2),  # the op rule
+        "2#0": ("relu", "quant", 8),  # pinned to 8 bits; its codec keeps zeros exact
+        "4#0": ("batch_norm", "division", 4),  # the module rule comes first
+        OUTSIDE_MODULES + "#0": ("square", "quant", 2),  # no rule
+    }
+    assert "division" in capture.report.summary() and "pool" in capture.report.summary()
+
+
+def test_resnet50_at_224_keeps_14x_less(generator):
+    """torchvision ResNet-50, 224x224, fp32, 2 bits: max-pool indices in 16 bits, not 64."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50().train()
+    x = torch.randn(2, 3, 224, 224, generator=generator)
+
+    def kept(capture=None):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with capture.capturing(inputs=x) if capture else contextlib.nullcontext():
+                loss = model(x).sum()
+        del loss
+        return sum(event.self_cpu_memory_usage for event in prof.events())
+
+    uncompressed = kept()
+    capture = ActivationCapture(CompressionConfig(bits=2), model)
+    compressed = kept(capture)
+    print(f"\nResNet-50 224x224 batch 2: {uncompressed / 2**20:.1f} -> {compressed / 2**20:.1f} MiB kept, "
+          f"{uncompressed / compressed:.2f}x measured, {capture.report.ratio:.2f}x reported")
+    assert uncompressed / compressed >= 14.0
+    assert capture.report.ratio == pytest.approx(uncompressed / compressed, rel=0.01)
+    assert capture.report.modules["maxpool"].codecs == {"index"}

@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_act import ActivationCapture, CompressionConfig
 from lightning_act.capture import OUTSIDE_MODULES
-from lightning_act.policy import AdaptiveBits, FixedBits, ModuleRules, SlotInfo, allocate_bits
+from lightning_act.policy import AdaptiveBits, FixedBits, Rule, SaveRules, SlotInfo, allocate_bits
 from lightning_act.policy.allocation import storage_bits
 from lightning_act.policy.estimators import GradientSensitivity, probe_sensitivities
 
@@ -58,20 +58,31 @@ def test_sensitive_small_tensor_is_kept_precise():
     assert chosen["small"] is None and chosen["big1"] == chosen["big2"] == 2
 
 
-def test_module_rules_pin_bits_first_match_wins():
-    rules = ModuleRules({"conv1": 8, "layer*.fc": "exact", "*": 4})
-    assert rules.lookup("conv1") == 8
-    assert rules.lookup("layer3.fc") is None
-    assert rules.lookup("anything") == 4
+def test_rules_pin_bits_and_codecs_by_module_and_op_first_match_wins():
+    rules = SaveRules({"conv1": 8, "layer*.fc": "exact", "op:layer_norm": "division:4", "layer4.*": "pool", "*": 4})
+    assert rules.lookup("conv1") == Rule(bits=8)
+    assert rules.lookup("layer3.fc").bits is None
+    assert rules.lookup("layer4.0", "conv2d") == Rule(codec="pool")
+    assert not rules.lookup("layer4.0", "conv2d").pins_bits
+    assert rules.lookup("blocks.0.norm", "layer_norm") == Rule(codec="division", bits=4)
+    assert rules.lookup("anything", None) == Rule(bits=4)
+    assert SaveRules({"op:relu": 8}).lookup("relu", None) is None  # unknown op: op rules never match
+    assert SaveRules({"x": "8"}).lookup("x") == Rule(bits=8)  # YAML may hand numbers over as strings
     with pytest.raises(ValueError, match=r"rules\['x'\]=3 is not supported; allowed: 1, 2, 4, 8 or 'exact'"):
-        ModuleRules({"x": 3})
+        SaveRules({"x": 3})
+    with pytest.raises(ValueError, match=r"rules\['x'\]='zip' is not supported; allowed: 1, 2, 4, 8, 'exact', a codec"):
+        SaveRules({"x": "zip"})
+    with pytest.raises(ValueError, match=r"rules\['x'\]='quant:3' is not supported"):
+        SaveRules({"x": "quant:3"})
 
 
-def test_fixed_policy_with_rules():
-    policy = FixedBits(2, rules={"head": "exact", "stem": 8})
-    assert policy.bits_for("head#0", "head") is None
-    assert policy.bits_for("stem#1", "stem") == 8
-    assert policy.bits_for("body#0", "body") == 2
+def test_fixed_policy_with_rules_and_floors():
+    policy = FixedBits(1, rules={"head": "exact", "stem": 8, "op:conv2d": "division"})
+    assert policy.bits_for("head#0", SlotInfo("head", (8,), 8, 1, 32)) is None
+    assert policy.bits_for("stem#1", SlotInfo("stem", (8,), 8, 1, 32)) == 8
+    assert policy.bits_for("body#0", SlotInfo("body", (8,), 8, 1, 32, op="conv2d")) == 1
+    # A ReLU output keeps its zeros exact only at 2 bits or more.
+    assert policy.bits_for("body#1", SlotInfo("body", (8,), 8, 1, 32, op="relu", min_bits=2)) == 2
 
 
 def test_adaptive_policy_validation_and_state_round_trip():

@@ -1,5 +1,6 @@
 """How one saved tensor is stored: each codec turns a dense tensor into a compact record
-that can rebuild it, and reports the bytes that record really holds."""
+that can rebuild it (``unpack``), reports the bytes that record really holds (``nbytes``)
+and names how it is stored (``codec``, as the per-module report shows it)."""
 
 from lightning_act.codecs.division import DivisionCodec, DivisionTensor
 from lightning_act.codecs.exact import IndexCodec, MaskCodec, SignMaskCodec, StoredTensor
@@ -22,7 +23,11 @@ __all__ = [
 
 
 def make_codec(name: str, group_size: int, block: int):
-    """The codec for floating-point activations named by :class:`CompressionConfig.codec`."""
+    """The codec for floating-point activations named by :class:`CompressionConfig.codec`.
+
+    Every one has ``keeps_zeros``: whether zeros decode to exact zeros and positive values
+    to positive ones, which a ReLU output needs (its backward reads ``out > 0``).
+    """
     if name == "division":
         return DivisionCodec(block=block, group_size=group_size)
     if name == "pool":

@@ -32,6 +32,7 @@ from lightning_act.ops import reference
 class DivisionTensor:
     """A tensor stored as a per-tile 16-bit mean plus a quantized residual."""
 
+    codec = "division"
     __slots__ = (
         "lfc", "codes", "stats", "bits", "group_size", "height", "width", "block_h", "block_w", "shape", "dtype"
     )
@@ -119,6 +120,8 @@ class DivisionCodec:
     """
 
     name = "division"
+    #: The tile mean plus a residual does not decode zeros to zeros.
+    keeps_zeros = False
 
     def __init__(self, block: int = 8, lfc_dtype: torch.dtype = torch.bfloat16, group_size: int = 256):
         if isinstance(block, bool) or not isinstance(block, int) or block < 2:

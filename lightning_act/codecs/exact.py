@@ -66,6 +66,7 @@ def _unpack_planar(packed: torch.Tensor, width: int, numel: int) -> torch.Tensor
 class StoredTensor:
     """A tensor kept as it is (codecs use it where compressing would not pay)."""
 
+    codec = "stored"
     __slots__ = ("tensor",)
 
     def __init__(self, tensor: torch.Tensor):
@@ -89,6 +90,7 @@ class StoredTensor:
 class MaskTensor:
     """A boolean tensor stored at 1 bit per value."""
 
+    codec = "mask"
     __slots__ = ("packed", "shape")
 
     def __init__(self, packed: torch.Tensor, shape: torch.Size):
@@ -133,13 +135,16 @@ class MaskCodec:
 
 
 class SignMaskTensor:
-    """``x > 0`` of a float tensor at 1 bit per value, decoded as 0/1 in the original dtype."""
+    """``x > 0`` of a float tensor at 1 bit per value, decoded as 0/1 in the original dtype
+    (divided by ``divisor`` when one is given)."""
 
-    __slots__ = ("mask", "dtype")
+    codec = "sign_mask"
+    __slots__ = ("mask", "dtype", "divisor")
 
-    def __init__(self, mask: MaskTensor, dtype: torch.dtype):
+    def __init__(self, mask: MaskTensor, dtype: torch.dtype, divisor: float | None = None):
         self.mask = mask
         self.dtype = dtype
+        self.divisor = divisor
 
     @property
     def nbytes(self) -> int:
@@ -152,25 +157,27 @@ class SignMaskTensor:
         return self.mask.stats
 
     def unpack(self) -> torch.Tensor:
-        """A new tensor of the original dtype holding 1 where ``x > 0`` and 0 elsewhere."""
-        return self.mask.unpack().to(self.dtype)
+        """A new tensor of the original dtype: 1 (or ``1 / divisor``) where ``x > 0``, else 0."""
+        values = self.mask.unpack().to(self.dtype)
+        return values if self.divisor is None else values.div_(self.divisor)
 
 
 class SignMaskCodec:
     """Stores only ``x > 0`` of a float tensor, at 1 bit per value.
 
-    Exact for a consumer that reads nothing but the sign: ReLU saves its output and its
-    backward is ``grad * (out > 0)``, and the decoded 0/1 tensor gives that same mask. Any
-    other consumer gets a wrong tensor, so select this codec only for a tensor saved by such
-    an op (see :mod:`lightning_act.optrack`) and never for one a second op also saved, such as
-    an in-place ReLU's output that the next convolution saves as its input. NaN, not being
-    ``> 0``, decodes to 0 (ReLU's backward would have passed the gradient through).
-    ``bits`` and ``seed`` of :meth:`pack` are ignored.
+    Exact for a consumer that reads nothing but the sign: LeakyReLU saves its input and its
+    backward is ``grad * (x > 0 ? 1 : slope)``, and the decoded 0/1 tensor gives that same
+    mask. Exact also for dropout's noise on the CPU (``bernoulli(1 - p) / (1 - p)``, saved by
+    the multiplication that applies it) when ``divisor = 1 - p``: decoding repeats the same
+    division in the same dtype. Any other consumer gets a wrong tensor, so select this codec
+    only for a tensor saved by such an op (see :mod:`lightning_act.optrack`) and never hand
+    its record to a second op that saved the same tensor. NaN, not being ``> 0``, decodes
+    to 0. ``bits`` and ``seed`` of :meth:`pack` are ignored.
     """
 
     name = "sign_mask"
 
-    def pack(self, dense: torch.Tensor, bits: int, seed: int) -> SignMaskTensor:
+    def pack(self, dense: torch.Tensor, bits: int, seed: int, divisor: float | None = None) -> SignMaskTensor:
         """Keep the sign mask of a contiguous float tensor.
 
         Raises:
@@ -178,12 +185,13 @@ class SignMaskCodec:
         """
         if not dense.is_floating_point():
             raise ValueError(f"SignMaskCodec: dtype {dense.dtype} is not supported; allowed: floating-point dtypes")
-        return SignMaskTensor(MaskCodec().pack(dense > 0, bits, seed), dense.dtype)
+        return SignMaskTensor(MaskCodec().pack(dense > 0, bits, seed), dense.dtype, divisor)
 
 
 class IndexTensor:
     """An integer tensor stored as ``value - offset`` in ``width``-bit codes."""
 
+    codec = "index"
     __slots__ = ("codes", "offset", "width", "shape", "dtype")
 
     def __init__(self, codes: torch.Tensor, offset: int, width: int, shape: torch.Size, dtype: torch.dtype):

@@ -21,6 +21,7 @@ from lightning_act.codecs.exact import StoredTensor
 class PooledTensor:
     """A tensor stored as the means of its tiles, at its own dtype."""
 
+    codec = "pool"
     __slots__ = ("pooled", "kernel_h", "kernel_w", "shape")
 
     def __init__(self, pooled: torch.Tensor, kernel_h: int, kernel_w: int, shape: torch.Size):
@@ -73,6 +74,7 @@ class PoolCodec:
     """
 
     name = "pool"
+    keeps_zeros = False
 
     def __init__(self, kernel: int = 2):
         if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 2:

@@ -10,6 +10,7 @@ from lightning_act import ops
 class QuantizedTensor:
     """A tensor stored as packed ``bits``-bit codes plus per-group bfloat16 statistics."""
 
+    codec = "quant"
     __slots__ = ("codes", "stats", "bits", "group_size", "shape", "dtype")
 
     def __init__(self, codes, stats, bits: int, group_size: int, shape: torch.Size, dtype: torch.dtype):
@@ -40,6 +41,9 @@ class GroupQuantCodec:
     """
 
     name = "quant"
+    #: Exact zeros decode to exact zeros and positive values to positive ones (at 2 bits or
+    #: more: zero-preserving groups), so a ReLU output keeps its backward mask.
+    keeps_zeros = True
 
     def __init__(self, group_size: int = 256):
         ops.check_quant_args(2, group_size)

@@ -36,6 +36,7 @@ def allocate_bits(
     sizes: Mapping[str, tuple[int, int, int]],
     budget_bits: float,
     candidates: Sequence[int | None],
+    floors: Mapping[str, int] | None = None,
 ) -> dict[str, int | None]:
     """Bits per tensor that minimise the summed gradient variance within the budget.
 
@@ -47,6 +48,7 @@ def allocate_bits(
         budget_bits: average code bits per value; the allowed total is what every tensor
             would occupy at this many bits, statistics included (fractional allowed).
         candidates: the allowed choices, bit widths and/or ``None`` for "keep exact".
+        floors: per key, the fewest bits it may get (its narrower candidates are skipped).
 
     Returns:
         The chosen bits (or ``None``) per key of ``sizes``.
@@ -55,16 +57,17 @@ def allocate_bits(
     if not keys:
         return {}
     allowed = sum(n * budget_bits + g * STATS_BITS_PER_GROUP for n, g, _ in sizes.values())
-    options = {
-        k: sorted(
+    options = {}
+    for k in keys:
+        floor = (floors or {}).get(k, 1)
+        choices = [b for b in candidates if b is None or b >= floor] or [floor]
+        options[k] = sorted(
             (
                 (storage_bits(b, *sizes[k]), 0.0 if b is None else max(variance.get(k, {}).get(b, 0.0), 0.0), b)
-                for b in candidates
+                for b in choices
             ),
             key=lambda option: option[0],
         )
-        for k in keys
-    }
 
     if sum(options[k][0][0] for k in keys) > allowed:
         return {k: options[k][0][2] for k in keys}  # even the cheapest choice is over budget

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from lightning_act.config import CODECS
 from lightning_act.ops.reference import SUPPORTED_BITS
 from lightning_act.policy.allocation import EXACT, allocate_bits
 
@@ -43,48 +44,94 @@ class SlotInfo:
     numel: int
     groups: int
     element_bits: int
+    #: The torch function that saved it (``"conv2d"``, ``"relu"``), None if unknown.
+    op: str | None = None
+    #: The fewest bits it may get: 2 for a ReLU output, whose zeros must stay exact.
+    min_bits: int = 1
 
 
-class ModuleRules:
-    """Per-module overrides: ``{"conv1": 8, "fc": "exact", "blocks.*.attn*": 8}``.
+@dataclass(frozen=True)
+class Rule:
+    """What a matching rule sets: the codec, the bits, or both (None leaves it to the policy)."""
 
-    Patterns are shell-style (``fnmatch``) and matched against the qualified module name
-    of the innermost module that saved the tensor; the first matching pattern wins.
+    codec: str | None = None
+    bits: int | None | object = _UNMATCHED
+
+    @property
+    def pins_bits(self) -> bool:
+        return self.bits is not _UNMATCHED
+
+
+def parse_rule(value: int | str | None, knob: str) -> Rule:
+    """``8``, ``"exact"``, a codec name (``"division"``) or both (``"division:4"``)."""
+    if not isinstance(value, str) or value == EXACT_NAME or value.isdigit():
+        return Rule(bits=parse_bits(int(value) if isinstance(value, str) and value.isdigit() else value, knob))
+    codec, colon, bits = value.partition(":")
+    widths = {str(b) for b in SUPPORTED_BITS} | {EXACT_NAME}
+    if codec not in CODECS or (colon and bits not in widths):
+        raise ValueError(
+            f"{knob}={value!r} is not supported; allowed: {', '.join(map(str, SUPPORTED_BITS))}, '{EXACT_NAME}', "
+            f"a codec ({', '.join(CODECS)}) or codec:bits such as 'division:4'"
+        )
+    return Rule(codec, parse_bits(int(bits) if bits.isdigit() else bits, knob) if colon else _UNMATCHED)
+
+
+def _matches(pattern: str, name: str | None) -> bool:
+    return name is not None and fnmatch.fnmatchcase(name, pattern)
+
+
+class SaveRules:
+    """Overrides by module and by op: ``{"conv1": 8, "fc": "exact", "layer4.*": "division",
+    "op:scaled_dot_product_attention": "quant:8"}``.
+
+    A key is a shell-style (``fnmatch``) pattern matched against the qualified name of the
+    innermost module that saved the tensor, or, after ``op:``, against the name of the torch
+    function that saved it (``conv2d``, ``linear``, ``layer_norm``, ``gelu``, ``softmax``;
+    see :mod:`lightning_act.optrack`). A value pins the bits (1, 2, 4, 8 or ``"exact"``),
+    the codec (``"quant"``, ``"division"``, ``"pool"``) or both (``"division:4"``). The
+    first matching key wins.
 
     Raises:
-        ValueError: a value is not 1, 2, 4, 8 or "exact".
+        ValueError: a value is none of these; the message names the key.
     """
 
     def __init__(self, rules: Mapping[str, int | str] | None = None):
         self.rules = dict(rules or {})
-        self._parsed = [(p, parse_bits(v, f"rules[{p!r}]")) for p, v in self.rules.items()]
-        self._cache: dict[str, object] = {}
+        self._parsed = []
+        for key, value in self.rules.items():
+            on_op = key.startswith("op:")
+            self._parsed.append((on_op, key[3:] if on_op else key, parse_rule(value, f"rules[{key!r}]")))
+        self._cache: dict[tuple[str, str | None], Rule | None] = {}
 
-    def lookup(self, module: str):
-        """The pinned bits for ``module``, or ``_UNMATCHED``."""
-        found = self._cache.get(module, _UNMATCHED)
-        if found is _UNMATCHED and module not in self._cache:
-            found = next((bits for pattern, bits in self._parsed if fnmatch.fnmatchcase(module, pattern)), _UNMATCHED)
-            self._cache[module] = found
-        return found
+    def lookup(self, module: str, op: str | None = None) -> Rule | None:
+        """The first rule matching ``module`` or ``op``, or None."""
+        key = (module, op)
+        if key not in self._cache:
+            self._cache[key] = next(
+                (rule for on_op, pattern, rule in self._parsed if _matches(pattern, op if on_op else module)),
+                None,
+            )
+        return self._cache[key]
 
 
 class BitPolicy(ABC):
-    """Base class: module rules first, then the policy's own choice."""
+    """Base class: rules first, then the policy's own choice."""
 
     def __init__(self, rules: Mapping[str, int | str] | None = None):
-        self.rules = ModuleRules(rules)
+        self.rules = SaveRules(rules)
 
-    def bits_for(self, slot: str, module: str) -> int | None:
-        pinned = self.rules.lookup(module)
-        return self.choose(slot) if pinned is _UNMATCHED else pinned
+    def bits_for(self, slot: str, info: SlotInfo) -> int | None:
+        rule = self.rules.lookup(info.module, info.op)
+        bits = rule.bits if rule is not None and rule.pins_bits else self.choose(slot)
+        return bits if bits is EXACT else max(bits, info.min_bits)
 
-    def is_pinned(self, module: str) -> bool:
-        return self.rules.lookup(module) is not _UNMATCHED
+    def pins_bits(self, info: SlotInfo) -> bool:
+        rule = self.rules.lookup(info.module, info.op)
+        return rule is not None and rule.pins_bits
 
     @abstractmethod
     def choose(self, slot: str) -> int | None:
-        """The bits of a slot that no module rule pins."""
+        """The bits of a slot that no rule pins."""
 
 
 class FixedBits(BitPolicy):
@@ -106,7 +153,7 @@ class AdaptiveBits(BitPolicy):
             per-group statistics are counted, so a budget of 2 stores what uniform 2-bit
             quantization stores.
         candidates: the choices, from 1, 2, 4, 8 and "exact".
-        rules: per-module overrides, outside the budget.
+        rules: per-module and per-op overrides (:class:`SaveRules`); pinned bits are outside the budget.
 
     Raises:
         ValueError: the budget is outside [1, 8] or a candidate is not allowed.
@@ -136,19 +183,17 @@ class AdaptiveBits(BitPolicy):
     def update(
         self, variance: Mapping[str, Mapping[int, float]], slots: Mapping[str, SlotInfo]
     ) -> dict[str, int | None]:
-        """Re-solve the allocation for the slots that have an estimate and no module rule.
+        """Re-solve the allocation for the slots that have an estimate and no rule pinning bits.
 
         Args:
             variance: per slot, the gradient variance it adds at each bit width (from an
                 estimator in :mod:`lightning_act.policy.estimators`).
             slots: every slot to allocate, with its size.
         """
-        sizes = {
-            k: (s.numel, s.groups, s.element_bits)
-            for k, s in slots.items()
-            if k in variance and not self.is_pinned(s.module)
-        }
-        self.assignment = allocate_bits(variance, sizes, self.budget, self.candidates)
+        free = {k: s for k, s in slots.items() if k in variance and not self.pins_bits(s)}
+        sizes = {k: (s.numel, s.groups, s.element_bits) for k, s in free.items()}
+        floors = {k: s.min_bits for k, s in free.items()}
+        self.assignment = allocate_bits(variance, sizes, self.budget, self.candidates, floors)
         return self.assignment
 
     def state_dict(self) -> dict:

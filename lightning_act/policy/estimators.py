@@ -5,8 +5,8 @@ is stored at ``b`` bits. Both return ``{slot: {1: v, 2: v, 4: v, 8: v}}``.
   batch with every candidate tensor kept exact, one exact backward, then for each tensor
   one backward per probed bit width with only that tensor quantized. The measurement
   includes what no model predicts well: a zero-preserving group (a ReLU output) has one
-  level fewer at 2 bits and none at 1 bit, where its backward mask flips (a bias).
-  Costs ``len(probe_bits)`` backward passes per tensor on the slice (default: 1 and 2
+  level fewer at 2 bits (and is never given 1 bit, where its backward mask would flip).
+  Costs one backward pass per tensor and probed width on the slice (default: 1 and 2
   bits, the two that decide the allocation; wider widths follow from 2 bits).
 * :class:`GradientSensitivity` models it from the normal training step: stochastic
   rounding of a group with range ``r`` at ``b`` bits adds noise of energy
@@ -90,8 +90,9 @@ def probe_sensitivities(
         capture: the :class:`~lightning_act.capture.ActivationCapture` whose slots to probe.
         loss_fn: runs the forward (on a small batch) and returns the scalar loss.
         params: the parameters whose gradient variance counts; their ``.grad`` is untouched.
-        probe_bits: the bit widths measured; wider ones are extrapolated from the widest
-            with the plain quantizer's ``S(b)`` (their variance is tiny either way).
+        probe_bits: the bit widths measured (those below a slot's ``min_bits`` are skipped);
+            the others are extrapolated from the widest measured with the plain
+            quantizer's ``S(b)`` (wider ones add tiny variance either way).
         inputs: tensors alive for the whole step (the batch), as in ``capture.start``.
 
     Returns:
@@ -102,8 +103,11 @@ def probe_sensitivities(
         loss = loss_fn()
     exact = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
     measured: list[torch.Tensor] = []
+    # A slot is probed only at the widths it may get (a ReLU output never gets 1 bit).
+    floors = {slot: capture.slots[slot].min_bits for slot in probe.slots}
+    widths = {slot: [b for b in probe_bits if b >= floor] or [floor] for slot, floor in floors.items()}
     for slot in probe.slots:
-        for bits in probe_bits:
+        for bits in widths[slot]:
             probe.quantize_only(slot, bits)
             noisy = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
             measured.append(
@@ -114,10 +118,10 @@ def probe_sensitivities(
     if not measured:
         return {}
     values = iter(torch.stack(measured).tolist())
-    widest = max(probe_bits)
     tables = {}
     for slot in probe.slots:
-        table = {bits: next(values) for bits in probe_bits}
+        table = {bits: next(values) for bits in widths[slot]}
+        widest = max(table)
         for bits in SUPPORTED_BITS:
             if bits not in table:
                 table[bits] = table[widest] * quantization_variance(bits) / quantization_variance(widest)
