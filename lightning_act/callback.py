@@ -131,6 +131,11 @@ class ActCompression(Callback):
     def adaptive(self) -> bool:
         return isinstance(self.policy, AdaptiveBits)
 
+    @property
+    def recalibrations(self) -> int:
+        """Recalibrations run in this process so far (their total time: ``recalibration_ms``)."""
+        return len(self._history_steps)
+
     # ----------------------------------------------------------------- lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

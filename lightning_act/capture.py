@@ -10,6 +10,8 @@ Lightning callback is a thin scheduler around it. The decision for one saved ten
   for its sign; dropout's noise on the CPU): a 1-bit mask, exact;
 * too small, or laid out with overlapping elements (a broadcast/unfolded view whose dense
   copy would be larger): kept as it is;
+* a reduction statistic, at least 8 times smaller than its op's largest input (LayerNorm's
+  mean and rstd, attention's logsumexp): kept exact, since backward multiplies its noise in;
 * a parameter, a view of one, or a tensor that belongs to the step's input batch: kept
   *and not counted*, because its owner keeps it alive whatever autograd does;
 * a cast copy of a parameter (autocast's bf16/fp16 weights): not kept at all; it is cast
@@ -54,6 +56,18 @@ _SIGN_ONLY_OPS = frozenset({"leaky_relu", "leaky_relu_"})
 # Dropout on the CPU saves its noise, bernoulli(1 - p) / (1 - p): a mask and a known scale
 # (on a GPU it saves a boolean mask, stored losslessly like any other).
 _DROPOUT_OPS = frozenset({"dropout", "dropout_"})
+
+
+# A float tensor at most this many times smaller than its op's largest tensor argument is a
+# reduction statistic (LayerNorm's mean and rstd, attention's logsumexp): the backward
+# scales everything else by it, so noise there is not averaged out but multiplied in. It
+# is kept exact, which costs little for the same reason.
+_STATISTIC_RATIO = 8
+
+
+def _is_statistic(t: torch.Tensor, call) -> bool:
+    largest = max((a.numel() for a in (*call.args, *call.kwargs.values()) if isinstance(a, torch.Tensor)), default=0)
+    return t.numel() * _STATISTIC_RATIO <= largest
 
 
 def _dropout_keep_probability(call) -> float:
@@ -503,7 +517,7 @@ class ActivationCapture:
             nbytes = t.untyped_storage().nbytes()
             report.saved_bytes += nbytes
             stats.saved_bytes += nbytes
-        if decision in ("kept", "exact"):
+        if decision in ("kept", "exact", "statistic"):
             if self._live(self._kept_storages, ptr):
                 return stats
             self._kept_storages[ptr] = ref
@@ -559,6 +573,9 @@ class ActivationCapture:
             self._account(module, t, "kept", 0)
             return t.detach()
         dense, layout = laid_out
+        if lossless is None and call is not None and _is_statistic(t, call):
+            self._account(module, t, "statistic", 0)
+            return t.detach()
         if lossless is None:
             saved = self._store(t, dense, layout, module, op)
         else:

@@ -328,3 +328,19 @@ def test_other_codecs_train_through_the_capture(codec):
     assert capture.report.counts["compressed"] >= 1
     assert capture.report.ratio > 3.0
     assert all(torch.isfinite(p.grad).all() for p in conv.parameters())
+
+
+def test_reduction_statistics_are_kept_exact():
+    """LayerNorm's mean and rstd and attention's logsumexp scale the whole backward: exact."""
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(64)
+    x = torch.randn(8, 4, 128, 64, requires_grad=True)
+    with compress_activations(norm, bits=2, min_numel=0) as capture:
+        h = norm(x)
+        out = nn.functional.scaled_dot_product_attention(h, h * 1.0, h * 1.0, is_causal=True)
+    shapes = {tuple(slot.shape) for slot in capture.report.slots.values()}
+    assert (8, 4, 128, 1) not in shapes and (8, 4, 128) not in shapes
+    # mean and rstd of the norm; logsumexp of the attention (CPU's flash kernel saves it)
+    assert capture.report.counts["statistic"] >= 3
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all()
