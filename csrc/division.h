@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <tuple>
 
 #include "quant_args.h"
 #include "quant_math.h"
@@ -136,6 +137,27 @@ inline void check_division_unpack_args(const at::Tensor& lfc, const at::Tensor& 
   TORCH_CHECK(lfc.device() == codes.device(), "lightning_act.division_unpack: lfc is on ", lfc.device(),
               " but codes are on ", codes.device());
   check_decode_args(codes, stats, bits, group_size, lfc.size(0) * height * width, dtype);
+}
+
+// Checks division_pack's arguments and allocates its outputs (lfc, codes, stats),
+// uninitialized: the C++ side of the op's fake in lightning_act/ops/division.py.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> division_pack_outputs(const at::Tensor& input, int64_t block_h,
+                                                                            int64_t block_w, int64_t bits,
+                                                                            int64_t group_size,
+                                                                            at::ScalarType lfc_dtype) {
+  check_division_pack_args(input, block_h, block_w, bits, group_size, lfc_dtype);
+  const TileGeometry geometry = make_geometry(input.size(1), input.size(2), block_h, block_w);
+  const auto [codes, stats] = empty_codes_and_stats(input.numel(), bits, group_size, input.options());
+  return {at::empty({input.size(0), geometry.tiles_h, geometry.tiles_w}, input.options().dtype(lfc_dtype)), codes,
+          stats};
+}
+
+// Checks division_unpack's arguments and allocates its output, uninitialized.
+inline at::Tensor division_unpack_output(const at::Tensor& lfc, const at::Tensor& codes, const at::Tensor& stats,
+                                         int64_t height, int64_t width, int64_t block_h, int64_t block_w, int64_t bits,
+                                         int64_t group_size, at::ScalarType dtype) {
+  check_division_unpack_args(lfc, codes, stats, height, width, block_h, block_w, bits, group_size, dtype);
+  return at::empty({lfc.size(0), height, width}, codes.options().dtype(dtype));
 }
 
 }  // namespace lightning_act

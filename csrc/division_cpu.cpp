@@ -1,29 +1,21 @@
 // CPU kernels of lightning_act::division_pack and lightning_act::division_unpack.
 //
 // Packing takes two parallel passes: the tile means (the LFC), then the residual groups,
-// each group computing its residuals into a float32 buffer, reducing their range and
-// encoding them as quantize_pack does. Groups need LFC values of tiles that other tasks
-// of the first pass computed, hence two passes rather than one.
+// which quant_cpu.h's group encoder encodes the way it encodes quantize_pack's. Groups need
+// LFC values of tiles that other tasks of the first pass computed, hence two passes rather
+// than one. Unpacking adds the LFC back to the residuals quant_cpu.h's decoder reads.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cstring>
-#include <vector>
+#include <cstdint>
 
 #include "division.h"
 #include "quant_args.h"
+#include "quant_cpu.h"
 #include "quant_math.h"
 
 namespace lightning_act {
 namespace {
-
-// Values per parallel task: large enough that scheduling costs nothing next to the work.
-constexpr int64_t kValuesPerTask = 1 << 15;
-
-int64_t grain(int64_t values_per_item) {
-  return std::max<int64_t>(1, kValuesPerTask / std::max<int64_t>(1, values_per_item));
-}
 
 template <typename scalar_t, typename lfc_t>
 void tile_means_kernel(const scalar_t* input, int64_t planes, const TileGeometry& geometry, lfc_t* lfc) {
@@ -41,105 +33,59 @@ void tile_means_kernel(const scalar_t* input, int64_t planes, const TileGeometry
   });
 }
 
-template <typename scalar_t, int kBits>
-void encode_residual_kernel(const scalar_t* input, const float* lfc, int64_t numel, const TileGeometry& geometry,
-                            int64_t group_size, uint64_t seed, uint8_t* codes, uint16_t* stats) {
-  constexpr int kPerByte = 8 / kBits;
-  const int64_t groups = num_groups(numel, group_size);
-  at::parallel_for(0, groups, grain(group_size), [&](int64_t first_group, int64_t last_group) {
-    std::vector<float> residual(group_size);
-    std::vector<uint8_t> group_codes(group_size);
-    for (int64_t group = first_group; group < last_group; ++group) {
-      const int64_t start = group * group_size;
-      const int64_t valid = std::min(group_size, numel - start);
-      TileCursor cursor(start, geometry);
-      for (int64_t i = 0; i < valid; ++i) {
-        residual[i] = sub_rn(static_cast<float>(input[start + i]), lfc[cursor.tile]);
-        cursor.advance(geometry);
-      }
-      GroupRange range;
-      for (int64_t i = 0; i < valid; ++i) {
-        range.add(residual[i]);
-      }
-      const GroupParams params = group_params(range, kBits);
-      stats[2 * group] = params.stats_low;
-      stats[2 * group + 1] = params.stats_step;
+// division_pack's GroupSource: each element minus the LFC value of its tile.
+template <typename scalar_t>
+struct ResidualGroups {
+  const scalar_t* input;
+  const float* lfc;
+  TileGeometry geometry;
 
-      uint8_t* packed = codes + start * kBits / 8;
-      if (!params.finite) {
-        std::memset(packed, 0, group_size * kBits / 8);
-        continue;
-      }
-      // Codes go to a byte buffer first so that this loop has no bit-twiddling and vectorizes.
-      const uint32_t key = stream_key(seed, static_cast<uint32_t>(static_cast<uint64_t>(start) >> 32));
-      for (int64_t i = 0; i < valid; ++i) {
-        group_codes[i] = static_cast<uint8_t>(
-            encode_value(residual[i], params, uniform_noise(key, static_cast<uint64_t>(start + i))));
-      }
-      std::fill(group_codes.begin() + valid, group_codes.end(), 0);
-      for (int64_t byte = 0; byte < group_size / kPerByte; ++byte) {
-        uint8_t value = 0;
-        for (int j = 0; j < kPerByte; ++j) {
-          value |= static_cast<uint8_t>(group_codes[byte * kPerByte + j] << (j * kBits));
-        }
-        packed[byte] = value;
-      }
+  const float* operator()(int64_t start, int64_t count, float* buffer) const {
+    TileCursor cursor(start, geometry);
+    for (int64_t i = 0; i < count; ++i) {
+      buffer[i] = sub_rn(static_cast<float>(input[start + i]), lfc[cursor.tile]);
+      cursor.advance(geometry);
     }
-  });
-}
+    return buffer;
+  }
+};
 
-template <typename scalar_t, int kBits>
-void decode_kernel(const float* lfc, const uint8_t* codes, const uint16_t* stats, int64_t numel,
-                   const TileGeometry& geometry, int64_t group_size, scalar_t* output) {
-  constexpr int kPerByte = 8 / kBits;
-  constexpr uint32_t kMask = (1u << kBits) - 1u;
-  const int64_t groups = num_groups(numel, group_size);
-  at::parallel_for(0, groups, grain(group_size), [&](int64_t first_group, int64_t last_group) {
-    for (int64_t group = first_group; group < last_group; ++group) {
-      const DecodeParams params = decode_params(stats[2 * group], stats[2 * group + 1]);
-      const int64_t start = group * group_size;
-      const int64_t valid = std::min(group_size, numel - start);
-      TileCursor cursor(start, geometry);
-      for (int64_t i = 0; i < valid; ++i) {
-        const int64_t index = start + i;
-        const uint32_t code = (codes[index / kPerByte] >> ((index % kPerByte) * kBits)) & kMask;
-        const float base = lfc[cursor.tile];
-        output[index] = static_cast<scalar_t>(add_rn(base, decode_value(code, params)));
-        cursor.advance(geometry);
-      }
+// division_unpack's GroupSink: each decoded residual plus the LFC value of its tile.
+template <typename scalar_t>
+struct ReconstructedGroups {
+  const float* lfc;
+  TileGeometry geometry;
+  scalar_t* output;
+
+  void operator()(int64_t start, int64_t count, const float* residuals) const {
+    TileCursor cursor(start, geometry);
+    for (int64_t i = 0; i < count; ++i) {
+      output[start + i] = static_cast<scalar_t>(add_rn(lfc[cursor.tile], residuals[i]));
+      cursor.advance(geometry);
     }
-  });
-}
+  }
+};
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> division_pack_cpu(const at::Tensor& input, int64_t block_h,
                                                                   int64_t block_w, int64_t bits, int64_t group_size,
                                                                   int64_t seed, at::ScalarType lfc_dtype) {
-  check_division_pack_args(input, block_h, block_w, bits, group_size, lfc_dtype);
-  const int64_t planes = input.size(0);
-  const TileGeometry geometry = make_geometry(input.size(1), input.size(2), block_h, block_w);
-  const int64_t numel = input.numel();
-  const int64_t groups = num_groups(numel, group_size);
-  at::Tensor lfc = at::empty({planes, geometry.tiles_h, geometry.tiles_w}, input.options().dtype(lfc_dtype));
-  at::Tensor codes = at::empty({groups * group_size * bits / 8}, input.options().dtype(at::kByte));
-  at::Tensor stats = at::empty({groups, 2}, input.options().dtype(at::kBFloat16));
-  if (numel == 0) {
+  const auto [lfc, codes, stats] = division_pack_outputs(input, block_h, block_w, bits, group_size, lfc_dtype);
+  if (input.numel() == 0) {
     return {lfc, codes, stats};
   }
+  const TileGeometry geometry = make_geometry(input.size(1), input.size(2), block_h, block_w);
   LIGHTNING_ACT_DISPATCH_FLOAT_TYPES(input.scalar_type(), "division_pack_cpu", [&] {
     using input_t = scalar_t;
     LIGHTNING_ACT_DISPATCH_FLOAT_TYPES(lfc_dtype, "division_pack_cpu_lfc", [&] {
-      tile_means_kernel(input.const_data_ptr<input_t>(), planes, geometry, lfc.mutable_data_ptr<scalar_t>());
+      tile_means_kernel(input.const_data_ptr<input_t>(), lfc.size(0), geometry, lfc.mutable_data_ptr<scalar_t>());
     });
   });
   // The residual is taken against the LFC as stored, so its rounding lands in the residual.
   const at::Tensor lfc_float = lfc.to(at::kFloat);
   LIGHTNING_ACT_DISPATCH_FLOAT_TYPES(input.scalar_type(), "division_pack_cpu", [&] {
-    dispatch_bits(bits, [&](auto bits_constant) {
-      encode_residual_kernel<scalar_t, decltype(bits_constant)::value>(
-          input.const_data_ptr<scalar_t>(), lfc_float.const_data_ptr<float>(), numel, geometry, group_size,
-          static_cast<uint64_t>(seed), codes.mutable_data_ptr<uint8_t>(),
-          reinterpret_cast<uint16_t*>(stats.mutable_data_ptr<at::BFloat16>()));
-    });
+    const ResidualGroups<scalar_t> source{input.const_data_ptr<scalar_t>(), lfc_float.const_data_ptr<float>(),
+                                          geometry};
+    encode_groups(source, input.numel(), bits, group_size, static_cast<uint64_t>(seed), codes, stats);
   });
   return {lfc, codes, stats};
 }
@@ -147,21 +93,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> division_pack_cpu(const at::Tenso
 at::Tensor division_unpack_cpu(const at::Tensor& lfc, const at::Tensor& codes, const at::Tensor& stats, int64_t height,
                                int64_t width, int64_t block_h, int64_t block_w, int64_t bits, int64_t group_size,
                                at::ScalarType dtype) {
-  check_division_unpack_args(lfc, codes, stats, height, width, block_h, block_w, bits, group_size, dtype);
-  const TileGeometry geometry = make_geometry(height, width, block_h, block_w);
-  at::Tensor output = at::empty({lfc.size(0), height, width}, codes.options().dtype(dtype));
+  const at::Tensor output =
+      division_unpack_output(lfc, codes, stats, height, width, block_h, block_w, bits, group_size, dtype);
   const int64_t numel = output.numel();
   if (numel == 0) {
     return output;
   }
+  const TileGeometry geometry = make_geometry(height, width, block_h, block_w);
   const at::Tensor lfc_float = lfc.to(at::kFloat).contiguous();
   LIGHTNING_ACT_DISPATCH_FLOAT_TYPES(dtype, "division_unpack_cpu", [&] {
-    dispatch_bits(bits, [&](auto bits_constant) {
-      decode_kernel<scalar_t, decltype(bits_constant)::value>(
-          lfc_float.const_data_ptr<float>(), codes.const_data_ptr<uint8_t>(),
-          reinterpret_cast<const uint16_t*>(stats.const_data_ptr<at::BFloat16>()), numel, geometry, group_size,
-          output.mutable_data_ptr<scalar_t>());
-    });
+    const ReconstructedGroups<scalar_t> sink{lfc_float.const_data_ptr<float>(), geometry,
+                                             output.mutable_data_ptr<scalar_t>()};
+    decode_groups(codes, stats, numel, bits, group_size, sink);
   });
   return output;
 }

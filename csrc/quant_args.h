@@ -1,11 +1,12 @@
-// Argument checks and dispatch helpers shared by the CPU and CUDA ops, so both devices
-// reject the same inputs with the same messages.
+// Argument checks, output allocation and dispatch helpers shared by the CPU and CUDA ops, so
+// both devices reject the same inputs with the same messages and return the same shapes.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 
 #include <cstdint>
+#include <tuple>
 #include <type_traits>
 
 namespace lightning_act {
@@ -37,6 +38,15 @@ inline void check_quantize_input(const at::Tensor& input) {
               input.sizes(), " with strides ", input.strides());
 }
 
+// Uninitialized outputs of quantizing `numel` values on `options`' device: the packed codes
+// of every group (the last one padded to group_size values) and each group's two bfloat16 words.
+inline std::tuple<at::Tensor, at::Tensor> empty_codes_and_stats(int64_t numel, int64_t bits, int64_t group_size,
+                                                                const at::TensorOptions& options) {
+  const int64_t groups = num_groups(numel, group_size);
+  return {at::empty({groups * group_size * bits / 8}, options.dtype(at::kByte)),
+          at::empty({groups, 2}, options.dtype(at::kBFloat16))};
+}
+
 // Checks codes and stats against each other; returns the number of groups.
 inline int64_t check_decode_args(const at::Tensor& codes, const at::Tensor& stats, int64_t bits, int64_t group_size,
                                  int64_t numel, at::ScalarType dtype) {
@@ -62,6 +72,22 @@ inline int64_t check_decode_args(const at::Tensor& codes, const at::Tensor& stat
   TORCH_CHECK(is_supported_float(dtype), "lightning_act.unpack_dequantize: dtype is ", dtype,
               "; allowed: Float, Half, BFloat16");
   return groups;
+}
+
+// Checks quantize_pack's arguments and allocates its outputs, uninitialized: the C++ side of
+// the op's fake in lightning_act/ops/__init__.py.
+inline std::tuple<at::Tensor, at::Tensor> quantize_pack_outputs(const at::Tensor& input, int64_t bits,
+                                                                int64_t group_size) {
+  check_quant_args(bits, group_size);
+  check_quantize_input(input);
+  return empty_codes_and_stats(input.numel(), bits, group_size, input.options());
+}
+
+// Checks unpack_dequantize's arguments and allocates its output, uninitialized.
+inline at::Tensor unpack_dequantize_output(const at::Tensor& codes, const at::Tensor& stats, int64_t bits,
+                                           int64_t group_size, int64_t numel, at::ScalarType dtype) {
+  check_decode_args(codes, stats, bits, group_size, numel, dtype);
+  return at::empty({numel}, codes.options().dtype(dtype));
 }
 
 // Calls fn(std::integral_constant<int, bits>{}) so kernels can be specialised on bits.

@@ -37,7 +37,15 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_act.codecs import DivisionCodec, GroupQuantCodec, IndexCodec, MaskCodec, SignMaskCodec, make_codec
+from lightning_act.codecs import (
+    DivisionCodec,
+    GroupQuantCodec,
+    IndexCodec,
+    MaskCodec,
+    SignMaskCodec,
+    StoredTensor,
+    make_codec,
+)
 from lightning_act.codecs.exact import INDEX_DTYPES
 from lightning_act.config import CODECS, CompressionConfig
 from lightning_act.ops import count_nonfinite_groups
@@ -622,6 +630,9 @@ class ActivationCapture:
         codec = self._codec_for(module, op)
         self._packs += 1
         record = codec.pack(dense, bits, splitmix64(self._seed + self._packs) >> 1)
+        if isinstance(record, StoredTensor):  # a shape the codec does not compress (pool on 2-D)
+            self._account(module, t, "kept", 0)
+            return t.detach()
         self._stats.append(record.stats)
         if self.estimator is not None and isinstance(codec, (GroupQuantCodec, DivisionCodec)):
             self.estimator.observe_stats(slot, module, record.stats, bits, codec.group_size)

@@ -26,32 +26,7 @@ from lightning_act.codecs.quant import QuantizedTensor
 from lightning_act.ops import division as division_ops
 from lightning_act.ops import reference
 from lightning_act.policy import FixedBits
-
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-DEVICES = (
-    pytest.param("cpu", id="cpu"),
-    pytest.param(
-        "cuda",
-        id="cuda",
-        marks=(pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
-    ),
-)
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-
-@pytest.fixture(scope="module", params=DEVICES)
-def device(request) -> str:
-    """A device whose fused kernels are loaded (a failed build fails the tests)."""
-    ops.ensure_kernels(request.param)
-    assert ops.loaded_kernels()[request.param], f"the fused {request.param} kernels did not load"
-    return request.param
-
-
-@pytest.fixture
-def generator() -> torch.Generator:
-    seed = random.SystemRandom().randrange(2**63)
-    print(f"input generator seed: {seed}")
-    return torch.Generator().manual_seed(seed)
+from tests.conftest import DTYPES, assert_same_bits
 
 
 def activation(shape, dtype, g: torch.Generator, nonfinite: bool = False) -> torch.Tensor:
@@ -72,18 +47,6 @@ def activation(shape, dtype, g: torch.Generator, nonfinite: bool = False) -> tor
         x.view(-1)[where] = torch.tensor([float("nan"), float("inf"), -float("inf")])
     x = x.to(dtype)
     return torch.where(x == 0, torch.zeros((), dtype=dtype), x)  # no -0.0 (see test_ops.random_input)
-
-
-def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Equal bit patterns, except that any NaN matches any NaN."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
-    actual, expected = actual.cpu(), expected.cpu()
-    nan = torch.isnan(expected)
-    assert torch.equal(torch.isnan(actual), nan), f"{what}: NaN positions differ"
-    if actual.is_floating_point():
-        actual, expected = actual.view(_INT_VIEW[actual.dtype]), expected.view(_INT_VIEW[expected.dtype])
-    mismatch = (actual != expected) & ~nan
-    assert not mismatch.any(), f"{what}: {int(mismatch.sum())} of {actual.numel()} differ"
 
 
 def storage_bytes(*tensors: torch.Tensor) -> int:

@@ -6,7 +6,6 @@ reproduces it.
 
 from __future__ import annotations
 
-import random
 import warnings
 
 import pytest
@@ -14,36 +13,9 @@ import torch
 
 from lightning_act import ops
 from lightning_act.ops import extension, reference
+from tests.conftest import DTYPES, assert_same_bits
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BITS = (1, 2, 4, 8)
-DEVICES = (
-    pytest.param("cpu", id="cpu"),
-    pytest.param(
-        "cuda",
-        id="cuda",
-        marks=(pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
-    ),
-)
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-
-@pytest.fixture(scope="module", params=DEVICES)
-def device(request) -> str:
-    """A device whose fused kernels are loaded.
-
-    A failed build fails the tests instead of letting them compare the reference with itself.
-    """
-    ops.ensure_kernels(request.param)
-    assert ops.loaded_kernels()[request.param], f"the fused {request.param} kernels did not load"
-    return request.param
-
-
-@pytest.fixture
-def generator() -> torch.Generator:
-    seed = random.SystemRandom().randrange(2**63)
-    print(f"input generator seed: {seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 def _segment(kind: str, numel: int, g: torch.Generator) -> torch.Tensor:
@@ -84,23 +56,6 @@ def random_input(numel: int, dtype: torch.dtype, g: torch.Generator, nonfinite: 
     # and +0.0 as a group's minimum depends on the order of the values, so keep zeros +0.0
     # here (test_signed_zeros covers -0.0).
     return torch.where(x == 0, torch.zeros((), dtype=dtype), x)
-
-
-def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Equal bit patterns, except that any NaN matches any NaN (payloads are not part of the format)."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
-    actual, expected = actual.cpu(), expected.cpu()
-    nan = torch.isnan(expected)
-    assert torch.equal(torch.isnan(actual), nan), f"{what}: NaN positions differ"
-    if actual.is_floating_point():
-        actual, expected = actual.view(_INT_VIEW[actual.dtype]), expected.view(_INT_VIEW[expected.dtype])
-    mismatch = (actual != expected) & ~nan
-    if mismatch.any():
-        index = int(mismatch.nonzero()[0, 0])
-        raise AssertionError(
-            f"{what}: {int(mismatch.sum())} of {actual.numel()} differ; first at {index}: "
-            f"{actual[index].item():#x} != {expected[index].item():#x}"
-        )
 
 
 def check_against_reference(x: torch.Tensor, bits: int, group_size: int, seed: int, device: str) -> None:

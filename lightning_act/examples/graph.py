@@ -15,6 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
 
+from lightning_act.examples._checks import check_fraction, check_positive
+
 with warnings.catch_warnings():
     # PyG scripts a helper with torch.jit.script at import, which recent torch deprecates:
     # a warning about PyG's internals that users of these examples cannot act on.
@@ -63,12 +65,8 @@ class NodeClassifier(pl.LightningModule):
         super().__init__()
         if conv not in ("gcn", "gat"):
             raise ValueError(f"conv={conv!r} is not supported; allowed: gcn, gat")
-        for name, value in (("in_channels", in_channels), ("num_classes", num_classes),
-                            ("hidden_channels", hidden_channels), ("heads", heads)):
-            if value < 1:
-                raise ValueError(f"{name}={value!r} must be >= 1")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout={dropout!r} must be in [0, 1)")
+        check_positive(in_channels=in_channels, num_classes=num_classes, hidden_channels=hidden_channels, heads=heads)
+        check_fraction("dropout", dropout)
         self.save_hyperparameters()
         if conv == "gcn":
             self.conv1 = GCNConv(in_channels, hidden_channels)

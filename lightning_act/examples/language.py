@@ -15,8 +15,10 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
+from lightning_act.examples._checks import check_fraction, check_positive
+from lightning_act.examples._data import SplitDataModule
 from lightning_act.examples._schedule import warmup_cosine
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -101,14 +103,10 @@ class CharTransformer(pl.LightningModule):
         warmup_steps: int = 100,
     ):
         super().__init__()
-        for name, value in (("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads),
-                            ("block_size", block_size)):
-            if value < 1:
-                raise ValueError(f"{name}={value!r} must be >= 1")
+        check_positive(d_model=d_model, n_layers=n_layers, n_heads=n_heads, block_size=block_size)
         if d_model % n_heads:
             raise ValueError(f"n_heads={n_heads!r} must divide d_model={d_model!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout={dropout!r} must be in [0, 1)")
+        check_fraction("dropout", dropout)
         self.save_hyperparameters()
         self.token_embedding = nn.Embedding(VOCAB_SIZE, d_model)
         self.position_embedding = nn.Embedding(block_size, d_model)
@@ -199,7 +197,7 @@ class ByteWindows(Dataset):
         return window[:-1], window[1:]
 
 
-class CharTextDataModule(pl.LightningDataModule):
+class CharTextDataModule(SplitDataModule):
     """One text file as next-byte prediction: the first 90% trains, the last 10% validates.
 
     Args:
@@ -227,7 +225,7 @@ class CharTextDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         train_fraction: float = 0.9,
     ):
-        super().__init__()
+        super().__init__(batch_size, num_workers)
         if block_size < 1 or batch_size < 1:
             raise ValueError(f"block_size={block_size!r} and batch_size={batch_size!r} must be >= 1")
         if not 0.0 < train_fraction < 1.0:
@@ -236,11 +234,7 @@ class CharTextDataModule(pl.LightningDataModule):
         self.download = download
         self.url = url
         self.block_size = block_size
-        self.batch_size = batch_size
-        self.num_workers = num_workers
         self.train_fraction = train_fraction
-        self.train_set: ByteWindows | None = None
-        self.val_set: ByteWindows | None = None
         # Checked here, not at prepare_data, so a wrong path fails before a model is built.
         if not download and not self.path.is_file():
             raise FileNotFoundError(f"path={path!r} does not exist; set download=true to fetch {url} there")
@@ -259,16 +253,4 @@ class CharTextDataModule(pl.LightningDataModule):
         data = torch.frombuffer(bytearray(self.path.read_bytes()), dtype=torch.uint8)
         split = int(len(data) * self.train_fraction)
         self.train_set = ByteWindows(data[:split], self.block_size)
-        self.val_set = ByteWindows(data[split:], self.block_size)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_set, self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, self.batch_size, num_workers=self.num_workers)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        self.val_set = self.test_set = ByteWindows(data[split:], self.block_size)

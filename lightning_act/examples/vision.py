@@ -17,10 +17,12 @@ import torch.nn.functional as F
 import torchvision
 from PIL import Image
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from torchmetrics.classification import MulticlassAccuracy
 from torchvision.transforms import v2
 
+from lightning_act.examples._checks import check_fraction
+from lightning_act.examples._data import SplitDataModule
 from lightning_act.examples._schedule import warmup_cosine
 
 RESNET_ARCHS = tuple(name for name in torchvision.models.resnet.__all__ if name.islower())
@@ -71,8 +73,7 @@ class ImageClassifier(pl.LightningModule):
             raise ValueError(f"optimizer={optimizer!r} is not supported; allowed: sgd, adamw")
         if num_classes < 2:
             raise ValueError(f"num_classes={num_classes!r} must be >= 2")
-        if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing={label_smoothing!r} must be in [0, 1)")
+        check_fraction("label_smoothing", label_smoothing)
         self.save_hyperparameters()
         self.net = getattr(torchvision.models, arch)(num_classes=num_classes)
         if cifar_stem:
@@ -145,7 +146,7 @@ class ImageArrayDataset(Dataset):
         return self.transform(image), self.labels[index]
 
 
-class CIFAR10DataModule(pl.LightningDataModule):
+class CIFAR10DataModule(SplitDataModule):
     """CIFAR-10: 50,000 training and 10,000 test images, 32x32, 10 classes.
 
     Reads the packed JPEG copy (``cifar10_jpeg_train.npz`` and ``cifar10_jpeg_test.npz``,
@@ -175,7 +176,7 @@ class CIFAR10DataModule(pl.LightningDataModule):
         download: bool = False,
         limit: int | None = None,
     ):
-        super().__init__()
+        super().__init__(batch_size, num_workers)
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be >= 1")
         if limit is not None and limit < batch_size:
@@ -184,15 +185,11 @@ class CIFAR10DataModule(pl.LightningDataModule):
                 "dropped) or null for the whole split"
             )
         self.data_dir = Path(data_dir)
-        self.batch_size = batch_size
-        self.num_workers = num_workers
         self.download = download
         self.limit = limit
         normalize = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
         self.train_transform = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(), *normalize])
         self.eval_transform = v2.Compose(normalize)
-        self.train_set: ImageArrayDataset | None = None
-        self.test_set: ImageArrayDataset | None = None
         # Checked here, not at prepare_data, so a wrong path fails before a model is built.
         if not download and not self._available():
             raise FileNotFoundError(
@@ -215,7 +212,7 @@ class CIFAR10DataModule(pl.LightningDataModule):
         if self.train_set is not None:
             return
         self.train_set = ImageArrayDataset(*self._load("train"), self.train_transform)
-        self.test_set = ImageArrayDataset(*self._load("test"), self.eval_transform)
+        self.val_set = self.test_set = ImageArrayDataset(*self._load("test"), self.eval_transform)
 
     def _load(self, split: str) -> tuple[np.ndarray, np.ndarray]:
         if self._packed():
@@ -235,18 +232,6 @@ class CIFAR10DataModule(pl.LightningDataModule):
         if self.limit is None or self.limit >= n:
             return np.arange(n)
         return np.sort(np.random.default_rng(0).permutation(n)[: self.limit])
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_set, self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.test_set, self.batch_size, num_workers=self.num_workers)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
 
 
 class SyntheticImages(Dataset):
@@ -284,7 +269,7 @@ class SyntheticImages(Dataset):
         return image / (1.0 + self.noise**2) ** 0.5, label
 
 
-class SyntheticImageDataModule(pl.LightningDataModule):
+class SyntheticImageDataModule(SplitDataModule):
     """Generated images a small network learns within a few epochs: no files, no network.
 
     Each class has a smooth random colour pattern; a sample is its class pattern shifted by
@@ -319,7 +304,7 @@ class SyntheticImageDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ):
-        super().__init__()
+        super().__init__(batch_size, num_workers)
         if num_classes < 2:
             raise ValueError(f"num_classes={num_classes!r} must be >= 2")
         if image_size < 8:
@@ -339,11 +324,7 @@ class SyntheticImageDataModule(pl.LightningDataModule):
         self.val_size = val_size
         self.noise = noise
         self.max_shift = max_shift
-        self.batch_size = batch_size
-        self.num_workers = num_workers
         self.seed = seed
-        self.train_set: SyntheticImages | None = None
-        self.val_set: SyntheticImages | None = None
 
     def setup(self, stage: str) -> None:
         if self.train_set is not None:
@@ -354,16 +335,6 @@ class SyntheticImageDataModule(pl.LightningDataModule):
         patterns = (patterns - patterns.mean(dim=(1, 2, 3), keepdim=True)) / patterns.std(dim=(1, 2, 3), keepdim=True)
         # Seeds 2s and 2s + 1: the training and validation streams never share a sample.
         self.train_set = SyntheticImages(patterns, self.train_size, self.noise, self.max_shift, 2 * self.seed)
-        self.val_set = SyntheticImages(patterns, self.val_size, self.noise, self.max_shift, 2 * self.seed + 1)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_set, self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+        self.val_set = self.test_set = SyntheticImages(
+            patterns, self.val_size, self.noise, self.max_shift, 2 * self.seed + 1
         )
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, self.batch_size, num_workers=self.num_workers)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()

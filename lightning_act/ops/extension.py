@@ -44,7 +44,7 @@ _KERNEL_MODES = ("auto", "reference")
 
 _LOGGER = logging.getLogger("lightning_act")
 
-_HEADERS = ("quant_math.h", "quant_args.h", "division.h")
+_HEADERS = ("quant_math.h", "quant_args.h", "quant_cpu.h", "quant_cuda.cuh", "division.h")
 _SOURCES = {"cpu": ("quant_cpu.cpp", "division_cpu.cpp"), "cuda": ("quant_cuda.cu", "division_cuda.cu")}
 
 
