@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch._dynamo.eval_frame import OptimizedModule
 from typing_extensions import override
 
 from lightning_act.capture import ActivationCapture, CompressionReport, splitmix64
@@ -101,6 +102,11 @@ class ActCompression(Callback):
             raise ValueError(f"bits={bits!r} and budget={budget!r}: set bits for a fixed policy or budget for an adaptive one")
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator={estimator!r} is not supported; allowed: {', '.join(ESTIMATORS)}")
+        if rules is not None and (not isinstance(rules, Mapping) or not all(isinstance(key, str) for key in rules)):
+            raise ValueError(
+                f"rules={rules!r} must be a dict from module-name patterns (or 'op:' and a torch function name) "
+                "to bits or a codec, e.g. {'fc': 8, 'op:softmax': 'exact'}"
+            )
         for knob, value, least in (
             ("recalibrate_every_n_steps", recalibrate_every_n_steps, 1),
             ("warmup_steps", warmup_steps, 0),
@@ -143,6 +149,7 @@ class ActCompression(Callback):
             return
         self.capture = ActivationCapture(self.config, pl_module, self.policy)
         ensure_kernels(trainer.strategy.root_device)
+        _warn_about_compiled_regions(pl_module)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -208,7 +215,7 @@ class ActCompression(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self.capture is not None:
-            self.capture.stop()
+            self.capture.close()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -217,8 +224,8 @@ class ActCompression(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.capture is not None:
-            self.capture.stop()
+        if self.capture is not None and stage == "fit":
+            self.capture.close()
 
     # ----------------------------------------------------------------- recalibration
     def _recalibrate_by_probes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
@@ -300,6 +307,23 @@ class ActCompression(Callback):
         self._next_calibration = int(state_dict.get("next_calibration", self._next_calibration))
         if self.adaptive and "policy" in state_dict:
             self.policy.load_state_dict(state_dict["policy"])
+
+
+def _warn_about_compiled_regions(pl_module: pl.LightningModule) -> None:
+    """Say once per fit which parts of the model the rules and the report cannot see into.
+
+    A ``torch.compile`` graph saves its tensors from one fused autograd function when it
+    runs: they are compressed, but no module or op inside the graph is seen saving them.
+    """
+    compiled = [name for name, module in pl_module.named_modules() if isinstance(module, OptimizedModule)]
+    if getattr(pl_module, "_compiler_ctx", None):  # trainer.fit(torch.compile(module)) compiles training_step
+        compiled.insert(0, "training_step")
+    if compiled:
+        rank_zero_warn(
+            f"lightning_act: {', '.join(compiled)} runs under torch.compile. What a compiled graph saves is "
+            "compressed when it runs, but as one block: rules by module name or by 'op:' and the per-module "
+            "report do not see the modules and ops inside it."
+        )
 
 
 def _leading_rows(batch: Any, rows: int) -> Any:

@@ -66,16 +66,25 @@ _SIGN_ONLY_OPS = frozenset({"leaky_relu", "leaky_relu_"})
 _DROPOUT_OPS = frozenset({"dropout", "dropout_"})
 
 
-# A float tensor at most this many times smaller than its op's largest tensor argument is a
-# reduction statistic (LayerNorm's mean and rstd, attention's logsumexp): the backward
-# scales everything else by it, so noise there is not averaged out but multiplied in. It
-# is kept exact, which costs little for the same reason.
+# A float tensor that its op computed (not one of the op's arguments) and that is at least
+# this many times smaller than the op's largest activation argument is a reduction
+# statistic (LayerNorm's mean and rstd, attention's logsumexp): the backward scales
+# everything else by it, so noise there is not averaged out but multiplied in. It is kept
+# exact, which costs little for the same reason. Weights do not count as the op's size: a
+# linear layer's small input next to its large weight is an activation, not a statistic.
 _STATISTIC_RATIO = 8
 
 
 def _is_statistic(t: torch.Tensor, call) -> bool:
-    largest = max((a.numel() for a in (*call.args, *call.kwargs.values()) if isinstance(a, torch.Tensor)), default=0)
-    return t.numel() * _STATISTIC_RATIO <= largest
+    activations = [
+        a
+        for a in (*call.args, *call.kwargs.values())
+        if isinstance(a, torch.Tensor) and _source_parameter(a)[0] is None
+    ]
+    storage = t.untyped_storage().data_ptr()
+    if any(a.untyped_storage().data_ptr() == storage for a in activations):
+        return False  # the op saves one of its inputs
+    return t.numel() * _STATISTIC_RATIO <= max((a.numel() for a in activations), default=0)
 
 
 def _dropout_keep_probability(call) -> float:
@@ -387,7 +396,7 @@ class ActivationCapture:
         self._paused = False
         self._probe: _Probe | None = None
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
-        self._module_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._module_hooks: weakref.finalize | None = None
         self._stack: list[str] = []
         self._reset_session(seed=0)
 
@@ -421,10 +430,9 @@ class ActivationCapture:
         self.mark_external(inputs)
         if self.model is not None:
             self.mark_external(list(self.model.buffers()))
-        self._module_hooks = [
-            nn.modules.module.register_module_forward_pre_hook(self._enter_module),
-            nn.modules.module.register_module_forward_hook(self._leave_module, always_call=True),
-        ]
+        if self._module_hooks is None:
+            self._module_hooks = _SharedModuleHooks.acquire(self)
+        _SharedModuleHooks.capturing.append(self)
         self._tracker.__enter__()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
@@ -441,9 +449,7 @@ class ActivationCapture:
         finally:
             self._tracker.__exit__(None, None, None)
             self._hooks = None
-            for handle in self._module_hooks:
-                handle.remove()
-            self._module_hooks = []
+            _SharedModuleHooks.capturing.remove(self)
             self._stack.clear()
         if self._stats:
             found = torch.stack([count_nonfinite_groups(s) for s in self._stats]).sum()
@@ -452,6 +458,14 @@ class ActivationCapture:
         self._stats = []
         self._dedup = {}
         return self.report
+
+    def close(self) -> None:
+        """Stop, and release the process-wide module hooks that the capture shares with others
+        (they are released anyway when the capture is garbage collected)."""
+        self.stop()
+        if self._module_hooks is not None:
+            self._module_hooks()
+            self._module_hooks = None
 
     def pause(self) -> None:
         """Let saved tensors pass through untouched (for backward) until :meth:`resume`."""
@@ -495,10 +509,10 @@ class ActivationCapture:
             self.mark_external(obj.to_dict())
 
     # ----------------------------------------------------------------- module attribution
-    def _enter_module(self, module: nn.Module, args: Any) -> None:
+    def _enter_module(self, module: nn.Module) -> None:
         self._stack.append(self._names.get(module) or type(module).__name__)
 
-    def _leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _leave_module(self, module: nn.Module, output: Any) -> None:
         if not self._stack:
             return
         name = self._stack.pop()
@@ -577,7 +591,7 @@ class ActivationCapture:
         # Masks and indices are stored losslessly in fewer bits; other dtypes (complex) as they are.
         lossless = self._sign_codec if as_mask else None if floating else self._lossless_codecs.get(t.dtype)
         laid_out = _Layout.dense_view(t) if floating or lossless is not None else None
-        if laid_out is None or laid_out[0].numel() < self.config.min_numel:
+        if laid_out is None or laid_out[0].numel() < max(self.config.min_numel, 1):  # empty: nothing to store
             self._account(module, t, "kept", 0)
             return t.detach()
         dense, layout = laid_out
@@ -643,18 +657,70 @@ class ActivationCapture:
         return _Compressed(record, layout)
 
 
+class _SharedModuleHooks:
+    """One pair of global module hooks, registered while any capture is open, that tells the
+    capturing captures which module is running.
+
+    Registered once, not per session: Dynamo guards a compiled module on the global hooks,
+    so hooks registered anew every step would recompile it every step (and run it eagerly
+    past the recompile limit). Inside a graph being compiled the hooks do nothing, so the
+    graph has no trace of them and its saves belong to the compiled module as one.
+    """
+
+    capturing: list[ActivationCapture] = []
+    _open = 0
+    _handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    @classmethod
+    def acquire(cls, capture: ActivationCapture) -> weakref.finalize:
+        """Hold the hooks for ``capture``: calling the result, or collecting ``capture``, releases them."""
+        if cls._open == 0:
+            cls._handles = [
+                nn.modules.module.register_module_forward_pre_hook(cls._enter),
+                nn.modules.module.register_module_forward_hook(cls._leave, always_call=True),
+            ]
+        cls._open += 1
+        return weakref.finalize(capture, cls._release)
+
+    @classmethod
+    def _release(cls) -> None:
+        cls._open -= 1
+        if cls._open == 0:
+            for handle in cls._handles:
+                handle.remove()
+            cls._handles = []
+
+    @classmethod
+    def _enter(cls, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        for capture in cls.capturing:
+            capture._enter_module(module)
+
+    @classmethod
+    def _leave(cls, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        for capture in cls.capturing:
+            capture._leave_module(module, output)
+
+
 class _CaptureContext:
-    def __init__(self, capture: ActivationCapture, inputs: Any, seed: int | None):
+    def __init__(self, capture: ActivationCapture, inputs: Any, seed: int | None, close: bool = False):
         self.capture = capture
         self.inputs = inputs
         self.seed = seed
+        self.close = close
 
     def __enter__(self) -> ActivationCapture:
         self.capture.start(self.inputs, self.seed)
         return self.capture
 
     def __exit__(self, *exc) -> None:
-        self.capture.stop()
+        if self.close:
+            self.capture.close()
+        else:
+            self.capture.stop()
 
 
 def compress_activations(
@@ -682,4 +748,5 @@ def compress_activations(
     """
     if config is not None and settings:
         raise ValueError(f"pass either config or keyword settings, not both (got {sorted(settings)})")
-    return ActivationCapture(config or CompressionConfig(**settings), model).capturing(inputs)
+    capture = ActivationCapture(config or CompressionConfig(**settings), model)
+    return _CaptureContext(capture, inputs, seed=None, close=True)
