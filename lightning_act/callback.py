@@ -19,7 +19,7 @@ from lightning_act.config import CompressionConfig
 from lightning_act.monitor import log_allocation, module_mean_bits
 from lightning_act.ops import ensure_kernels
 from lightning_act.policy import AdaptiveBits, FixedBits
-from lightning_act.policy.estimators import GradientSensitivity, probe_sensitivities
+from lightning_act.policy.estimators import GradientSensitivity
 
 LOG_PREFIX = "act"
 ESTIMATORS = ("gradient", "probe")
@@ -231,24 +231,13 @@ class ActCompression(Callback):
     def _recalibrate_by_probes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         started = time.perf_counter()
         sample = _leading_rows(batch, self.probe_samples)
-        params = [p for p in pl_module.parameters() if p.requires_grad]
-        buffers = {name: b.detach().clone() for name, b in pl_module.named_buffers()}
-        devices = [trainer.strategy.root_device] if trainer.strategy.root_device.type == "cuda" else []
-        was_training = pl_module.training
 
         def loss_fn() -> torch.Tensor:
             with trainer.precision_plugin.train_step_context(), _muted_logging(pl_module):
                 out = pl_module.training_step(sample, batch_idx)
             return out["loss"] if isinstance(out, Mapping) else out
 
-        # The probes must leave no trace: the random stream (dropout), BatchNorm running
-        # statistics and .grad (gradient accumulation) are exactly as they were.
-        with torch.random.fork_rng(devices=devices):
-            sensitivity = probe_sensitivities(self.capture, loss_fn, params, inputs=sample)
-        with torch.no_grad():
-            for name, b in pl_module.named_buffers():
-                b.copy_(buffers[name])
-        pl_module.train(was_training)
+        sensitivity = self.capture.measure_sensitivity(loss_fn, inputs=sample, optimizers=trainer.optimizers)
         self._solve(trainer, sensitivity, started)
 
     def _solve(self, trainer: pl.Trainer, sensitivity: dict[str, dict[int, float]], started: float) -> None:

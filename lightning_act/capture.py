@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ from lightning_act.ops import count_nonfinite_groups
 from lightning_act.optrack import OpTracker, saved_index_range
 from lightning_act.policy import BitPolicy, FixedBits, SlotInfo
 from lightning_act.policy.bits import bits_name
-from lightning_act.policy.estimators import GradientSensitivity
+from lightning_act.policy.estimators import GradientSensitivity, probe_sensitivities, update_weights
 
 OUTSIDE_MODULES = "<outside modules>"
 
@@ -493,6 +494,65 @@ class ActivationCapture:
                 yield probe
         finally:
             self._probe = None
+
+    def measure_sensitivity(
+        self,
+        loss_fn: Callable[[], torch.Tensor],
+        inputs: Any = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> dict[str, dict[int, float]]:
+        """GACT's probes (:func:`~lightning_act.policy.estimators.probe_sensitivities`) on the
+        model, leaving no trace: the random state (dropout), the buffers (BatchNorm running
+        statistics), train/eval mode and ``.grad`` are as they were.
+
+        Args:
+            loss_fn: runs the forward on a small batch (a few samples) and returns the loss.
+            inputs: that batch's tensors, alive for the whole probe (not compressed).
+            optimizers: the optimizers that will apply the gradients: the variance measured
+                is then that of their update (Adam's per-element scaling included, see
+                :func:`~lightning_act.policy.estimators.update_weights`), not of the raw gradient.
+
+        Returns:
+            Per slot, the variance it adds at each bit width.
+        """
+        if self.model is None:
+            raise ValueError("measure_sensitivity needs the model: ActivationCapture(config, model, policy)")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        weights = update_weights(optimizers, params) if optimizers else None
+        buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
+        devices = sorted({p.device for p in params if p.device.type == "cuda"}, key=str)
+        was_training = self.model.training
+        try:
+            with torch.random.fork_rng(devices=devices):
+                return probe_sensitivities(self, loss_fn, params, inputs=inputs, weights=weights)
+        finally:
+            with torch.no_grad():
+                for name, b in self.model.named_buffers():
+                    b.copy_(buffers[name])
+            self.model.train(was_training)
+
+    def calibrate(
+        self,
+        loss_fn: Callable[[], torch.Tensor],
+        inputs: Any = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> dict[str, int | None]:
+        """Probe (:meth:`measure_sensitivity`) and re-solve the adaptive policy's allocation.
+
+        Example::
+
+            capture = ActivationCapture(model=model, policy=AdaptiveBits(budget=2.0))
+            capture.calibrate(lambda: criterion(model(x[:8]), y[:8]), inputs=x[:8], optimizers=[optimizer])
+            with capture.capturing(inputs=x):
+                loss = criterion(model(x), y)
+            loss.backward()
+
+        Returns:
+            The new bits per slot (None: kept exact).
+        """
+        if not hasattr(self.policy, "update"):
+            raise TypeError(f"calibrate needs an adaptive policy (AdaptiveBits), not {type(self.policy).__name__}")
+        return self.policy.update(self.measure_sensitivity(loss_fn, inputs, optimizers), self.slots)
 
     def mark_external(self, obj: Any) -> None:
         """Declare tensors alive for the whole step: they are saved as they are, uncounted."""

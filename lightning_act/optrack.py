@@ -23,8 +23,8 @@ What it sees:
 * under ``torch.compile`` it steps aside: while Dynamo traces, the handler only calls the
   function, so the traced graph is the one without the tracker and ``fullgraph=True``
   still holds. A graph compiled with the default inductor backend (or any AOTAutograd
-  backend) saves from inside one fused autograd function, reported as None (the capture
-  engine passes tensors saved under compilation through anyway). Dynamo guards on the
+  backend) saves from inside one fused autograd function when it runs, reported as None:
+  the capture engine compresses those tensors by the default rules. Dynamo guards on the
   active modes, so a compiled module called both with and without the tracker is
   compiled once for each.
 

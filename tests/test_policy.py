@@ -10,7 +10,7 @@ from lightning_act import ActivationCapture, CompressionConfig
 from lightning_act.capture import OUTSIDE_MODULES
 from lightning_act.policy import AdaptiveBits, FixedBits, Rule, SaveRules, SlotInfo, allocate_bits
 from lightning_act.policy.allocation import storage_bits
-from lightning_act.policy.estimators import GradientSensitivity, probe_sensitivities
+from lightning_act.policy.estimators import GradientSensitivity, probe_sensitivities, update_weights
 
 CANDIDATES = (1, 2, 4, 8, None)
 
@@ -179,3 +179,59 @@ def test_adaptive_allocation_beats_uniform_on_measured_variance():
     adaptive_variance, adaptive_bytes = variance(adaptive)
     assert adaptive_bytes <= uniform_bytes
     assert adaptive_variance < 0.8 * uniform_variance
+
+
+def test_calibrate_leaves_no_trace_and_sets_the_allocation():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.Tanh(), nn.Dropout(0.2), nn.Linear(256, 8))
+    x = torch.randn(64, 64)
+    model(x).sum().backward()  # gradients, BatchNorm statistics and a train() state to keep
+    model.eval()
+    grads = [p.grad.clone() for p in model.parameters()]
+    buffers = [b.clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    capture = ActivationCapture(CompressionConfig(min_numel=256), model, AdaptiveBits(2.0))
+
+    def probe_loss():
+        model.train()  # as a training_step would; calibrate puts eval() back
+        return model(x[:8]).square().mean()
+
+    assignment = capture.calibrate(probe_loss, inputs=x[:8])
+    assert assignment and set(assignment) <= set(capture.slots)
+    assert capture.policy.assignment == assignment
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
+    assert torch.equal(rng, torch.get_rng_state())
+    assert not model.training
+    with pytest.raises(TypeError, match="calibrate needs an adaptive policy"):
+        ActivationCapture(model=model).calibrate(probe_loss)
+    with pytest.raises(ValueError, match="needs the model"):
+        ActivationCapture(policy=AdaptiveBits(2.0)).calibrate(probe_loss)
+
+
+def test_update_weights_follow_each_optimizer_step():
+    torch.manual_seed(0)
+    a, b, c, unused = (nn.Parameter(torch.randn(32, 16)) for _ in range(4))
+    adam = torch.optim.AdamW([a], lr=3e-3, betas=(0.9, 0.95), eps=1e-6)
+    sgd = torch.optim.SGD([{"params": [b], "lr": 0.1}, {"params": [c], "lr": 0.01}])
+    for _ in range(3):
+        for opt in (adam, sgd):
+            opt.zero_grad()
+        ((a * 2).sin().sum() + (b * c).sum()).backward()
+        adam.step()
+        sgd.step()
+    weights = update_weights([adam, sgd], [a, b, c, unused])
+    v_hat = adam.state[a]["exp_avg_sq"] / (1 - 0.95**3)
+    torch.testing.assert_close(weights[0], (3e-3 / (v_hat.sqrt() + 1e-6)) ** 2)
+    assert weights[1:] == [pytest.approx(0.1**2), pytest.approx(0.01**2), None]
+
+    # The probe's variance is the update's: an Adam weight of w on every element multiplies it by w.
+    model = Net()
+    x = torch.randn(32, 64)
+    params = list(model.parameters())
+    plain = probe_sensitivities(ActivationCapture(CompressionConfig(min_numel=256), model),
+                                lambda: model(x).square().mean(), params, inputs=x)
+    scaled = probe_sensitivities(ActivationCapture(CompressionConfig(min_numel=256), model),
+                                 lambda: model(x).square().mean(), params, inputs=x, weights=[4.0] * len(params))
+    for slot, table in plain.items():
+        assert scaled[slot][2] == pytest.approx(4 * table[2], rel=1e-5)

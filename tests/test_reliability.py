@@ -250,6 +250,121 @@ def test_fsdp2_trains_and_never_compresses_weights(tmp_path):
     assert losses[-1] < 0.9 * losses[0]
 
 
+class Block(nn.Module):
+    """The unit that FSDP shards and activation checkpointing recomputes."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        return F.gelu(self.linear(x))
+
+
+def checkpointed_net() -> nn.Module:
+    """What Lightning's FSDPStrategy(activation_checkpointing_policy={Block}) builds."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    net = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), Block(HIDDEN), Block(HIDDEN), nn.Linear(HIDDEN, CLASSES))
+    apply_activation_checkpointing(net, check_fn=lambda module: isinstance(module, Block))
+    return net
+
+
+def checkpointed_step(net: nn.Module, step: int) -> dict:
+    """One 8-bit step on the full batch with the rounding noise of ``step``: what was stored, and when."""
+    x, y = blobs()[: GLOBAL_BATCH * (step + 1)]
+    x, y = x[-GLOBAL_BATCH:], y[-GLOBAL_BATCH:]
+    capture = ActivationCapture(CompressionConfig(bits=8), net)
+    with capture.capturing(inputs=x, seed=step):
+        loss = F.cross_entropy(net(x), y)
+    after_forward = dict(capture.report.counts)
+    loss.backward()
+    return {
+        "loss": loss.item(),
+        "counts_after_forward": after_forward,
+        "counts": dict(capture.report.counts),
+        "compressed_shapes": [list(shape) for shape in compressed_shapes(capture.report)],
+    }
+
+
+def _fsdp1_rank(rank: int, out_dir: str, port: int) -> None:
+    """One rank of torch FSDP (FULL_SHARD) over gloo with checkpointed blocks, as Lightning's
+    FSDPStrategy sets it up on GPUs; every rank sees the full batch, so the averaged
+    gradient is the single process's."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        sharded = FullyShardedDataParallel(
+            seeded(checkpointed_net),
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+        )
+        local = [list(p.shape) for p in sharded.parameters()]
+        step = checkpointed_step(sharded, 0)
+        with FullyShardedDataParallel.summon_full_params(sharded, with_grads=True):
+            grads = torch.cat([p.grad.flatten() for p in sharded.parameters()])
+        torch.save({"step": step, "grads": grads, "local_shapes": local}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_with_activation_checkpointing_stores_what_a_single_process_stores(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    mp.start_processes(_fsdp1_rank, args=(str(tmp_path), port), nprocs=2, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+    single = seeded(checkpointed_net)
+    expected = checkpointed_step(single, 0)
+    exact = torch.cat([p.grad.flatten() for p in single.parameters()])
+    weight_shapes = {tuple(p.shape) for p in single.parameters()}
+    for rank in ranks:
+        step = rank["step"]
+        assert {tuple(s) for s in rank["local_shapes"]} != weight_shapes  # really sharded (flat shards)
+        # The checkpointed blocks' recomputation inside backward stores nothing more.
+        assert step["counts"] == step["counts_after_forward"]
+        # The three block boundaries (Tanh's output, each block's output), compressed as a
+        # single process compresses them; the blocks' insides are recomputed; no weight.
+        assert step["compressed_shapes"] == expected["compressed_shapes"] == [[GLOBAL_BATCH, HIDDEN]] * 3
+        assert step["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+        # The same rounding noise as the single process: only the reduction's float order differs.
+        assert rel_err(rank["grads"], exact) < 1e-5
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=needs_cuda, id="cuda")])
+def test_lightning_fsdp_strategy_with_activation_checkpointing_policy(_):
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    class CheckpointedBlocks(MLP):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(
+                nn.Linear(FEATURES, HIDDEN), nn.Tanh(), Block(HIDDEN), Block(HIDDEN), nn.Linear(HIDDEN, CLASSES)
+            )
+
+    log = StepLog()
+    strategy = FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block})
+    fit = trainer(accelerator="gpu", devices=1, max_steps=6, strategy=strategy, callbacks=[ActCompression(bits=8), log])
+    model = seeded(CheckpointedBlocks)
+    fit.fit(model)
+    weight_shapes = {tuple(p.shape) for p in seeded(CheckpointedBlocks).parameters()}
+    for step in log.steps:
+        shapes = {tuple(shape) for shape in step["compressed_shapes"]}
+        assert shapes == {(GLOBAL_BATCH, HIDDEN)}  # the block boundaries, never a weight
+        assert not shapes & weight_shapes
+    assert log.steps[-1]["loss"] < log.steps[0]["loss"]
+
+
 # ----------------------------------------------------------------------------- precision
 def images() -> DataLoader:
     return DataLoader(make_images(), batch_size=32)

@@ -77,12 +77,47 @@ class GradientSensitivity:
         return {s: {b: ci * _levels_variance(b, zi) for b in SUPPORTED_BITS} for s, ci, zi in zip(slots, c, z)}
 
 
+def update_weights(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]) -> list:
+    """How much a gradient error in each parameter moves the optimizer's next update.
+
+    An optimizer step changes a parameter by ``lr * g / d`` (``d = 1`` for SGD; for Adam
+    and its variants ``d = sqrt(v_hat) + eps``, from the optimizer's own second-moment
+    state). A gradient error ``e`` thus moves the update by ``lr * e / d``, and its energy
+    is ``e**2`` weighted by ``(lr / d)**2`` element by element. Under Adam, parameters with
+    small gradients (attention's query and key weights early in training, say) get large
+    weights: there, noise that is small next to the whole gradient's norm still swamps
+    their own update.
+
+    Returns:
+        One weight per parameter, aligned with ``params``: a tensor of its shape, a float
+        (``lr**2`` for a parameter with no second-moment state), or None where no optimizer
+        holds it (plain variance).
+    """
+    weights: dict[int, torch.Tensor | float] = {}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            lr = float(group.get("lr", 1.0))
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                second = state.get("exp_avg_sq")
+                if second is None:
+                    weights[id(p)] = lr * lr
+                    continue
+                step = float(state.get("step", 0))
+                beta2 = group.get("betas", (0.9, 0.999))[1]
+                correction = 1.0 - beta2**step if step > 0 else 1.0
+                denom = (second.float() / correction).sqrt_().add_(float(group.get("eps", 1e-8)))
+                weights[id(p)] = denom.reciprocal_().square_().mul_(lr * lr)
+    return [weights.get(id(p)) for p in params]
+
+
 def probe_sensitivities(
     capture,
     loss_fn: Callable[[], torch.Tensor],
     params: Sequence[torch.Tensor],
     probe_bits: Sequence[int] = (1, 2),
     inputs=None,
+    weights: Sequence[torch.Tensor | float | None] | None = None,
 ) -> dict[str, dict[int, float]]:
     """GACT's probe estimator: the gradient variance each tensor adds when quantized alone.
 
@@ -94,11 +129,17 @@ def probe_sensitivities(
             the others are extrapolated from the widest measured with the plain
             quantizer's ``S(b)`` (wider ones add tiny variance either way).
         inputs: tensors alive for the whole step (the batch), as in ``capture.start``.
+        weights: per parameter, a factor on its squared gradient error (see
+            :func:`update_weights`: then the variance is that of the optimizer's update).
 
     Returns:
         ``v_i(b)`` per slot for every supported bit width.
     """
-    params = [p for p in params if p.requires_grad]
+    weights = list(weights) if weights is not None else [None] * len(params)
+    if len(weights) != len(params):
+        raise ValueError(f"weights has {len(weights)} entries for {len(params)} params")
+    kept = [(p, w) for p, w in zip(params, weights) if p.requires_grad]
+    params, weights = [p for p, _ in kept], [w for _, w in kept]
     with capture.probing(inputs) as probe:
         loss = loss_fn()
     exact = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
@@ -111,7 +152,11 @@ def probe_sensitivities(
             probe.quantize_only(slot, bits)
             noisy = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
             measured.append(
-                sum((n - e).float().square().sum() for n, e in zip(noisy, exact) if n is not None and e is not None)
+                sum(
+                    _weighted_energy(n - e, w)
+                    for n, e, w in zip(noisy, exact, weights)
+                    if n is not None and e is not None
+                )
             )
     probe.quantize_only(None, 0)
     del loss
@@ -127,3 +172,8 @@ def probe_sensitivities(
                 table[bits] = table[widest] * quantization_variance(bits) / quantization_variance(widest)
         tables[slot] = table
     return tables
+
+
+def _weighted_energy(error: torch.Tensor, weight: torch.Tensor | float | None) -> torch.Tensor:
+    energy = error.float().square()
+    return (energy if weight is None else energy * weight).sum()
