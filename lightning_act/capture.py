@@ -62,6 +62,12 @@ OUTSIDE_MODULES = "<outside modules>"
 _ZERO_EXACT_OPS = frozenset({"relu", "relu_"})
 # Ops that read the tensor they save only for its sign.
 _SIGN_ONLY_OPS = frozenset({"leaky_relu", "leaky_relu_"})
+# Attention's query and key go through a softmax in backward (the probabilities are
+# recomputed from them): noise there biases the gradient, and a bias adds up over steps
+# instead of averaging out. At 4 bits and below it stalled a small transformer on its
+# loss plateau; they are stored at 8 bits or more.
+_ATTENTION_OPS = frozenset({"scaled_dot_product_attention"})
+_ATTENTION_SCORE_BITS = 8
 # Dropout on the CPU saves its noise, bernoulli(1 - p) / (1 - p): a mask and a known scale
 # (on a GPU it saves a boolean mask, stored losslessly like any other).
 _DROPOUT_OPS = frozenset({"dropout", "dropout_"})
@@ -86,6 +92,26 @@ def _is_statistic(t: torch.Tensor, call) -> bool:
     if any(a.untyped_storage().data_ptr() == storage for a in activations):
         return False  # the op saves one of its inputs
     return t.numel() * _STATISTIC_RATIO <= max((a.numel() for a in activations), default=0)
+
+
+def _is_attention_score_input(t: torch.Tensor, call) -> bool:
+    """Whether ``t`` is the query or the key of the attention call saving it."""
+    if call is None or call.name not in _ATTENTION_OPS:
+        return False
+    query = call.kwargs.get("query", call.args[0] if call.args else None)
+    key = call.kwargs.get("key", call.args[1] if len(call.args) > 1 else None)
+    return any(
+        isinstance(a, torch.Tensor) and a.data_ptr() == t.data_ptr() and a.shape == t.shape for a in (query, key)
+    )
+
+
+def _min_bits(t: torch.Tensor, call) -> int:
+    """The fewest bits a saved tensor may get from its op (rules and policies included)."""
+    if call is None:
+        return 1
+    if call.name in _ZERO_EXACT_OPS:
+        return 2
+    return _ATTENTION_SCORE_BITS if _is_attention_score_input(t, call) else 1
 
 
 def _dropout_keep_probability(call) -> float:
@@ -659,7 +685,7 @@ class ActivationCapture:
             self._account(module, t, "statistic", 0)
             return t.detach()
         if lossless is None:
-            saved = self._store(t, dense, layout, module, op)
+            saved = self._store(t, dense, layout, module, call)
         else:
             if lossless is self._index_codec:
                 record = lossless.pack(dense, 0, 0, value_range=saved_index_range(call))
@@ -678,8 +704,9 @@ class ActivationCapture:
         # ReLU's backward reads its output's zeros, and the next layer's record is that same one.
         return self._codecs["quant"] if op in _ZERO_EXACT_OPS and not codec.keeps_zeros else codec
 
-    def _store(self, t: torch.Tensor, dense: torch.Tensor, layout: _Layout, module: str, op: str | None) -> Any:
+    def _store(self, t: torch.Tensor, dense: torch.Tensor, layout: _Layout, module: str, call) -> Any:
         """A floating-point tensor: its slot, then its codec and bits from the rules and policy."""
+        op = None if call is None else call.name
         slot = self._next_slot(module)
         info = self.slots[slot] = SlotInfo(
             module=module,
@@ -688,7 +715,7 @@ class ActivationCapture:
             groups=-(-dense.numel() // self.config.group_size),
             element_bits=dense.element_size() * 8,
             op=op,
-            min_bits=2 if op in _ZERO_EXACT_OPS else 1,
+            min_bits=_min_bits(t, call),
         )
         if self._probe is not None:
             self._probe.slots.append(slot)

@@ -6,6 +6,7 @@ from torch import nn
 
 from lightning_act import ActivationCapture, CompressionConfig, compress_activations
 from lightning_act.capture import OUTSIDE_MODULES
+from lightning_act.policy import FixedBits
 
 G = 256
 
@@ -344,3 +345,27 @@ def test_reduction_statistics_are_kept_exact():
     assert capture.report.counts["statistic"] >= 3
     out.sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+def test_attention_query_and_key_are_stored_at_eight_bits_or_more():
+    """A softmax recomputed from noisy q and k biases the gradient: they never go below 8 bits."""
+    torch.manual_seed(0)
+    qkv = nn.Linear(64, 3 * 64)
+    x = torch.randn(4, 128, 64)
+
+    def attention():
+        q, k, v = (t.unflatten(-1, (4, 16)).transpose(1, 2) for t in qkv(x).chunk(3, dim=-1))
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    exact = torch.autograd.grad(attention().square().sum(), qkv.weight)[0]
+    for rules in ({}, {"op:scaled_dot_product_attention": 2}):
+        capture = ActivationCapture(CompressionConfig(bits=2, min_numel=0), qkv, FixedBits(2, rules))
+        with capture.capturing(inputs=x):
+            out = attention()
+        by_op = [slot for slot in capture.report.slots.values() if slot.op == "scaled_dot_product_attention"]
+        # query and key at 8 bits; value and output at the 2 bits asked for
+        assert sorted(slot.bits for slot in by_op) == [2, 2, 8, 8]
+        floors = sorted(info.min_bits for info in capture.slots.values() if info.op == "scaled_dot_product_attention")
+        assert floors == [1, 1, 8, 8]
+        grad = torch.autograd.grad(out.square().sum(), qkv.weight)[0]
+        assert ((grad - exact).norm() / exact.norm()).item() < 0.5

@@ -46,7 +46,8 @@ class SlotInfo:
     element_bits: int
     #: The torch function that saved it (``"conv2d"``, ``"relu"``), None if unknown.
     op: str | None = None
-    #: The fewest bits it may get: 2 for a ReLU output, whose zeros must stay exact.
+    #: The fewest bits it may get: 2 for a ReLU output, whose zeros must stay exact; 8 for
+    #: attention's query and key, which a softmax turns noise into bias.
     min_bits: int = 1
 
 
