@@ -3,7 +3,8 @@
 For ResNet-18 on a CIFAR-10 batch and a character transformer on Tiny Shakespeare, each
 first trained for the callback's default warm-up (20 steps, with its example's optimizer:
 SGD with momentum, AdamW), it compares uniform 2-bit quantization with the adaptive policy
-at a 2-bit budget, its sensitivities estimated from the normal training step
+at the same stored bytes (the budget is uniform 2 bits' average, which the 8-bit floors of
+softmax inputs raise above 2), its sensitivities estimated from the normal training step
 ("gradient"), by GACT's probes on the raw gradient ("probe_gradient"), or by the probes on
 the optimizer's update ("probe_update", what ActCompression does). Variance is measured,
 not estimated, over rounding seeds, in two norms: the gradient's, the mean of
@@ -84,7 +85,7 @@ def measured_variance(model, x, loss_fn, policy, config, exact, weights, seeds):
     return gradient / seeds, update / seeds, stored, capture.report.saved_bytes
 
 
-def run_case(name, model, x, loss_on, optimizer, budget, seeds, probe_rows):
+def run_case(name, model, x, loss_on, optimizer, seeds, probe_rows):
     config = CompressionConfig(bits=2)
     full = loss_on(x.shape[0])
     for _ in range(WARMUP_STEPS):
@@ -113,6 +114,10 @@ def run_case(name, model, x, loss_on, optimizer, budget, seeds, probe_rows):
     gradient_sens = estimate.sensitivities()
     gradient_s = time.perf_counter() - started
     slots = dict(capture.slots)
+    # The budget at which the adaptive policy stores what uniform 2 bits (and its floors) stores.
+    budget = sum(info.numel * max(2, info.min_bits) for info in slots.values()) / sum(
+        info.numel for info in slots.values())
+    result["budget"] = budget
 
     probes = {}
     for estimator, probe_weights in (("probe_gradient", None), ("probe_update", weights)):
@@ -147,7 +152,7 @@ def run_case(name, model, x, loss_on, optimizer, budget, seeds, probe_rows):
             "bits": {k: (b if b is not None else "exact") for k, b in policy.assignment.items()},
         }
     print(f"\n{name}: saved {saved / 2**20:.1f} MiB, uniform 2-bit stores {uniform_bytes / 2**20:.2f} MiB, "
-          f"gradient variance {uniform_var:.4e}, update variance {uniform_update:.4e}")
+          f"gradient variance {uniform_var:.4e}, update variance {uniform_update:.4e}; adaptive budget {budget:.3f} bits")
     for estimator in estimators:
         r = result[f"adaptive_{estimator}"]
         print(f"  adaptive ({estimator:14s}): stores {r['stored_bytes'] / 2**20:.2f} MiB, gradient variance "
@@ -161,7 +166,6 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=Path("../shared/data"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--budget", type=float, default=2.0)
     parser.add_argument("--seeds", type=int, default=8)
     parser.add_argument("--probe-rows", type=int, default=8)
     args = parser.parse_args()
@@ -170,12 +174,11 @@ def main():
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
-        "budget": args.budget,
         "seeds": args.seeds,
         "resnet18_cifar10_batch64": run_case("ResNet-18, CIFAR-10, batch 64", *resnet18_case(args.data, 64),
-                                             args.budget, args.seeds, args.probe_rows),
+                                             args.seeds, args.probe_rows),
         "char_transformer_shakespeare_batch32": run_case("char transformer d128 L2 T64, batch 32",
-                                                         *transformer_case(args.data, 32), args.budget, args.seeds,
+                                                         *transformer_case(args.data, 32), args.seeds,
                                                          args.probe_rows),
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -62,12 +62,15 @@ OUTSIDE_MODULES = "<outside modules>"
 _ZERO_EXACT_OPS = frozenset({"relu", "relu_"})
 # Ops that read the tensor they save only for its sign.
 _SIGN_ONLY_OPS = frozenset({"leaky_relu", "leaky_relu_"})
-# Attention's query and key go through a softmax in backward (the probabilities are
-# recomputed from them): noise there biases the gradient, and a bias adds up over steps
-# instead of averaging out. At 4 bits and below it stalled a small transformer on its
-# loss plateau; they are stored at 8 bits or more.
+# Backward applies a softmax (or its exp) to these saved tensors: the output of softmax,
+# log_softmax and cross_entropy (its log-probabilities), and attention's query and key
+# (the probabilities are recomputed from them). Through that nonlinearity rounding noise
+# becomes a bias, which adds up over steps instead of averaging out: at 2 bits the logits
+# of a small transformer cost +25% validation loss, and at 4 bits its query and key kept it
+# on its loss plateau. They are stored at 8 bits or more.
+_SOFTMAX_OUTPUT_OPS = frozenset({"softmax", "log_softmax", "cross_entropy"})
 _ATTENTION_OPS = frozenset({"scaled_dot_product_attention"})
-_ATTENTION_SCORE_BITS = 8
+_SOFTMAX_BITS = 8
 # Dropout on the CPU saves its noise, bernoulli(1 - p) / (1 - p): a mask and a known scale
 # (on a GPU it saves a boolean mask, stored losslessly like any other).
 _DROPOUT_OPS = frozenset({"dropout", "dropout_"})
@@ -111,7 +114,9 @@ def _min_bits(t: torch.Tensor, call) -> int:
         return 1
     if call.name in _ZERO_EXACT_OPS:
         return 2
-    return _ATTENTION_SCORE_BITS if _is_attention_score_input(t, call) else 1
+    if call.name in _SOFTMAX_OUTPUT_OPS or _is_attention_score_input(t, call):
+        return _SOFTMAX_BITS
+    return 1
 
 
 def _dropout_keep_probability(call) -> float:

@@ -369,3 +369,22 @@ def test_attention_query_and_key_are_stored_at_eight_bits_or_more():
         assert floors == [1, 1, 8, 8]
         grad = torch.autograd.grad(out.square().sum(), qkv.weight)[0]
         assert ((grad - exact).norm() / exact.norm()).item() < 0.5
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax", "cross_entropy"])
+def test_softmax_outputs_are_stored_at_eight_bits_or_more(op):
+    torch.manual_seed(0)
+    logits = torch.randn(64, 512, requires_grad=True)
+    target = torch.randint(0, 512, (64,))
+    run = {
+        "softmax": lambda z: z.softmax(-1).square().sum(),
+        "log_softmax": lambda z: nn.functional.log_softmax(z, -1)[:, 0].sum(),
+        "cross_entropy": lambda z: nn.functional.cross_entropy(z, target),
+    }[op]
+    exact = torch.autograd.grad(run(logits * 1.0), logits)[0]
+    with compress_activations(bits=2) as capture:
+        loss = run(logits * 1.0)
+    (slot,) = [slot for slot in capture.report.slots.values() if slot.op == op]
+    assert slot.bits == 8
+    grad = torch.autograd.grad(loss, logits)[0]
+    assert ((grad - exact).norm() / exact.norm()).item() < 0.05

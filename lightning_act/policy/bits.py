@@ -47,7 +47,8 @@ class SlotInfo:
     #: The torch function that saved it (``"conv2d"``, ``"relu"``), None if unknown.
     op: str | None = None
     #: The fewest bits it may get: 2 for a ReLU output, whose zeros must stay exact; 8 for
-    #: attention's query and key, which a softmax turns noise into bias.
+    #: what backward puts through a softmax (softmax outputs, log-probabilities, attention's
+    #: query and key), where noise turns into bias.
     min_bits: int = 1
 
 
