@@ -46,7 +46,8 @@ def allocate_bits(
             a tensor kept exact adds none.
         sizes: ``(numel, groups, element_bits)`` per tensor key; these are allocated.
         budget_bits: average code bits per value; the allowed total is what every tensor
-            would occupy at this many bits, statistics included (fractional allowed).
+            would occupy at this many bits, or at its floor where that is higher,
+            statistics included (fractional allowed): what uniform bits would store.
         candidates: the allowed choices, bit widths and/or ``None`` for "keep exact".
         floors: per key, the fewest bits it may get (its narrower candidates are skipped).
 
@@ -56,10 +57,13 @@ def allocate_bits(
     keys = list(sizes)
     if not keys:
         return {}
-    allowed = sum(n * budget_bits + g * STATS_BITS_PER_GROUP for n, g, _ in sizes.values())
+    floors = floors or {}
+    allowed = sum(
+        n * max(budget_bits, floors.get(k, 1)) + g * STATS_BITS_PER_GROUP for k, (n, g, _) in sizes.items()
+    )
     options = {}
     for k in keys:
-        floor = (floors or {}).get(k, 1)
+        floor = floors.get(k, 1)
         choices = [b for b in candidates if b is None or b >= floor] or [floor]
         options[k] = sorted(
             (

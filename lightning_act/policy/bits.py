@@ -152,8 +152,9 @@ class AdaptiveBits(BitPolicy):
 
     Args:
         budget: average bits per value over the tensors it allocates (fractional allowed);
-            per-group statistics are counted, so a budget of 2 stores what uniform 2-bit
-            quantization stores.
+            per-group statistics and the tensors' floors (8 bits for softmax inputs) are
+            counted as uniform quantization pays them, so a budget of 2 stores what
+            ``FixedBits(2)`` stores.
         candidates: the choices, from 1, 2, 4, 8 and "exact".
         rules: per-module and per-op overrides (:class:`SaveRules`); pinned bits are outside the budget.
 
