@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
