@@ -10,7 +10,8 @@ the optimizer's update ("probe_update", what ActCompression does). Variance is m
 not estimated, over rounding seeds, in two norms: the gradient's, the mean of
 ``||g_seed - g_exact||**2``, and the update's, the same with every element weighted by
 ``(lr / d)**2`` as the optimizer scales it (``update_weights``); next to the bytes really
-stored and the time each estimator took.
+stored, the time each estimator took, and the least variance any per-tensor allocation
+could reach under the estimator's sensitivities (``per_tensor_bound``).
 
     python benchmarks/adaptive_allocation.py --data ../shared/data --out benchmarks/results
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import time
 from pathlib import Path
@@ -85,6 +87,21 @@ def measured_variance(model, x, loss_fn, policy, config, exact, weights, seeds):
     return gradient / seeds, update / seeds, stored, capture.report.saved_bytes
 
 
+def per_tensor_bound(sens: dict, slots: dict, budget: float) -> float:
+    """The least variance, relative to uniform ``budget`` bits, that *any* per-tensor bit
+    allocation could reach under these sensitivities: bits chosen freely as real numbers
+    (no floors, no fixed widths, statistics ignored), with ``S(b) = 4**-b``. Then every
+    tensor's variance comes out proportional to its size, and the ratio is the size-weighted
+    geometric mean of the sensitivity per element over its arithmetic mean."""
+    c = {k: sens[k][2] for k in slots if sens.get(k, {}).get(2, 0.0) > 0.0}
+    n = {k: slots[k].numel for k in c}
+    total, sensitive = sum(slots[k].numel for k in slots), sum(n.values())
+    # insensitive tensors take no bits; the rest share all of them
+    mean_log = sum(n[k] * math.log(c[k] / n[k]) for k in c) / sensitive
+    best = sensitive * math.exp(mean_log) * 4.0 ** -(budget * total / sensitive)
+    return best / (sum(c.values()) * 4.0 ** -budget)
+
+
 def run_case(name, model, x, loss_on, optimizer, seeds, probe_rows):
     config = CompressionConfig(bits=2)
     full = loss_on(x.shape[0])
@@ -144,6 +161,7 @@ def run_case(name, model, x, loss_on, optimizer, seeds, probe_rows):
             "variance_vs_uniform": var / uniform_var,
             "update_variance_vs_uniform": update / uniform_update,
             "predicted_vs_uniform": predicted / predicted_uniform,
+            "per_tensor_bound_vs_uniform": per_tensor_bound(sens, slots, budget),
             "estimator_seconds": seconds,
             "estimator_cost_in_steps": seconds / step_s,
             "bits": {k: (b if b is not None else "exact") for k, b in policy.assignment.items()},
@@ -154,7 +172,8 @@ def run_case(name, model, x, loss_on, optimizer, seeds, probe_rows):
         r = result[f"adaptive_{estimator}"]
         print(f"  adaptive ({estimator:14s}): stores {r['stored_bytes'] / 2**20:.2f} MiB, gradient variance "
               f"{r['variance_vs_uniform']:.3f}x uniform, update variance {r['update_variance_vs_uniform']:.3f}x "
-              f"(estimator expected {r['predicted_vs_uniform']:.3f}x in its own norm); estimate took "
+              f"(estimator expected {r['predicted_vs_uniform']:.3f}x in its own norm, and no per-tensor "
+              f"allocation below {r['per_tensor_bound_vs_uniform']:.3f}x); estimate took "
               f"{r['estimator_seconds']:.2f} s ({r['estimator_cost_in_steps']:.1f} uncompressed steps)")
     return result
 

@@ -29,6 +29,7 @@ for the session.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -273,6 +274,34 @@ class _Layout:
         return t if self.expand_to is None else t.expand(self.expand_to)
 
 
+def _storage_region(t: torch.Tensor) -> tuple[int, int] | None:
+    """``(offset, numel)`` when ``t``'s elements fill exactly that run of its storage, else None.
+
+    Such a tensor, read in memory order, is that run; so are its other views of the same run
+    (a transpose, a reshape), which can therefore share one stored copy.
+    """
+    extent = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride != extent:
+            return None
+        extent *= size
+    return t.storage_offset(), t.numel()
+
+
+class _RegionView:
+    """What autograd holds for a view of a run of storage that another view already stored."""
+
+    __slots__ = ("record", "size", "stride")
+
+    def __init__(self, record, t: torch.Tensor):
+        self.record = record
+        self.size = t.shape
+        self.stride = t.stride()
+
+    def unpack(self) -> torch.Tensor:
+        return self.record.unpack().reshape(-1).as_strided(self.size, self.stride)
+
+
 class _Compressed:
     """What autograd holds instead of a compressed tensor."""
 
@@ -439,6 +468,8 @@ class ActivationCapture:
         self._packs = 0
         self._slot_counts: dict[str, int] = {}
         self._dedup: dict[tuple, tuple[StorageWeakRef, Any]] = {}
+        # stored records by the run of storage they hold, with their bits
+        self._regions: dict[tuple, tuple[StorageWeakRef, Any, float]] = {}
         self._saved_storages: dict[int, StorageWeakRef] = {}
         self._kept_storages: dict[int, StorageWeakRef] = {}
         self._external: dict[int, StorageWeakRef] = {}
@@ -489,6 +520,7 @@ class ActivationCapture:
             self.total_nonfinite_groups = self.total_nonfinite_groups + found
         self._stats = []
         self._dedup = {}
+        self._regions = {}
         return self.report
 
     def close(self) -> None:
@@ -679,6 +711,12 @@ class ActivationCapture:
         if cached is not None and not cached[0].expired():
             self._account(module, t, "deduplicated", 0)
             return cached[1]
+        region = _storage_region(t)
+        region_key = None if region is None else (ptr, *region, t.dtype, t._version, as_mask)
+        cached = self._regions.get(region_key)
+        if cached is not None and not cached[0].expired() and cached[2] >= _min_bits(t, call):
+            self._account(module, t, "deduplicated", 0)
+            return _RegionView(cached[1], t)
         # Masks and indices are stored losslessly in fewer bits; other dtypes (complex) as they are.
         lossless = self._sign_codec if as_mask else None if floating else self._lossless_codecs.get(t.dtype)
         laid_out = _Layout.dense_view(t) if floating or lossless is not None else None
@@ -701,6 +739,13 @@ class ActivationCapture:
             self._account(module, t, "lossless", record.nbytes).codecs.add(record.codec)
             saved = _Compressed(record, layout)
         self._dedup[key] = (StorageWeakRef(t.untyped_storage()), saved)
+        if region_key is not None and isinstance(saved, _Compressed):
+            # Read in memory order, the stored dense tensor is the region itself. Its bits
+            # decide which later views may share it: a view whose op needs more (attention's
+            # query read through another op's 2-bit copy) is stored again. A pooled record
+            # (no bits) has lost the detail other ops may need: it is shared with none.
+            bits = math.inf if lossless is not None else getattr(saved.record, "bits", 0)
+            self._regions[region_key] = (StorageWeakRef(t.untyped_storage()), saved.record, bits)
         return saved
 
     def _codec_for(self, module: str, op: str | None):

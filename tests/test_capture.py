@@ -159,6 +159,56 @@ def test_inplace_relu_versions_are_not_confused():
     assert rel_err(g, g_ref) < 1e-2
 
 
+@pytest.mark.parametrize("permuted_first", [True, False])
+def test_views_of_one_storage_run_are_stored_once(permuted_first):
+    """Attention's output as SDPA saves it, (B, H, T, D) over (B, T, H, D) memory, and the
+    output projection's input, (B, T, C), are one run of storage: one stored copy serves both,
+    whichever is saved first."""
+    torch.manual_seed(0)
+    w = torch.randn(30, 7, requires_grad=True)
+    x = torch.randn(4, 8, 6, 5, requires_grad=True)
+
+    def run():
+        y = x * 1.5  # (B, T, H, D), contiguous
+        head_major = y.transpose(1, 2)  # (B, H, T, D): a permuted view
+        token_major = y.flatten(2)  # (B, T, C): a reshaped view
+        # each view's gradient depends on what is restored for it: x's on head_major, w's on token_major
+        if permuted_first:
+            return head_major.square().sum() + (token_major @ w).sum()
+        return (token_major @ w).sum() + head_major.square().sum()
+
+    exact = torch.autograd.grad(run(), (x, w))
+    with compress_activations(bits=8, min_numel=0) as capture:
+        loss = run()
+    # square's and matmul's inputs stored once; w (not a parameter here) stored too
+    assert capture.report.counts == {"compressed": 2, "deduplicated": 1}
+    grads = torch.autograd.grad(loss, (x, w))
+    for g, g_ref in zip(grads, exact):
+        assert rel_err(g, g_ref) < 0.05  # 8-bit noise; misplaced elements give about 1
+
+
+def test_a_shared_storage_run_is_stored_again_for_an_op_that_needs_more_bits():
+    """A 2-bit copy made for a linear layer cannot serve as attention's query (8-bit floor)."""
+    torch.manual_seed(0)
+    proj = nn.Linear(64, 64)
+    x = torch.randn(4, 32, 64, requires_grad=True)
+
+    def run():
+        h = x.sin()  # (B, T, C)
+        projected = proj(h)  # saves h first, at 2 bits
+        q = h.unflatten(-1, (4, 16)).transpose(1, 2)  # the same run, as (B, H, T, D)
+        out = nn.functional.scaled_dot_product_attention(q, q * 1.0, q * 1.0)
+        return projected.sum() + out.sum()
+
+    capture = ActivationCapture(CompressionConfig(bits=2, min_numel=0), proj, FixedBits(2))
+    with capture.capturing(inputs=x):
+        run()
+    slots = capture.report.slots.values()
+    assert sorted(slot.bits for slot in slots if slot.op in ("linear", "scaled_dot_product_attention")) == [
+        2, 2, 2, 8, 8]
+    assert capture.report.counts.get("deduplicated", 0) == 0
+
+
 def test_dedup_is_not_fooled_by_a_reused_address():
     """Freed storage handed to a new tensor of the same shape must not hit the cache."""
     torch.manual_seed(0)

@@ -94,7 +94,10 @@ def test_matches_reference_bit_for_bit(device, dtype, bits, generator):
     ],
 )
 def test_matches_reference_on_large_tensors(device, numel, dtype, bits, group_size, generator):
-    check_against_reference(random_input(numel, dtype, generator), bits, group_size, 2**63 - 12345, device)
+    # One NaN or Inf per 5,000 values would make every group of 65,536 a NaN group, leaving
+    # the finite path of the largest groups (many chunks per lane) untested.
+    x = random_input(numel, dtype, generator, nonfinite=group_size <= 256)
+    check_against_reference(x, bits, group_size, 2**63 - 12345, device)
 
 
 def test_multidimensional_input(device, generator):
