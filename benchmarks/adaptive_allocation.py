@@ -10,8 +10,8 @@ the optimizer's update ("probe_update", what ActCompression does). Variance is m
 not estimated, over rounding seeds, in two norms: the gradient's, the mean of
 ``||g_seed - g_exact||**2``, and the update's, the same with every element weighted by
 ``(lr / d)**2`` as the optimizer scales it (``update_weights``); next to the bytes really
-stored, the time each estimator took, and the least variance any per-tensor allocation
-could reach under the estimator's sensitivities (``per_tensor_bound``).
+stored, the time each estimator took, and the least variance any allocation of bits per
+tensor, or per group, could reach under the estimator's sensitivities (``allocation_bound``).
 
     python benchmarks/adaptive_allocation.py --data ../shared/data --out benchmarks/results
 """
@@ -87,19 +87,48 @@ def measured_variance(model, x, loss_fn, policy, config, exact, weights, seeds):
     return gradient / seeds, update / seeds, stored, capture.report.saved_bytes
 
 
-def per_tensor_bound(sens: dict, slots: dict, budget: float) -> float:
-    """The least variance, relative to uniform ``budget`` bits, that *any* per-tensor bit
-    allocation could reach under these sensitivities: bits chosen freely as real numbers
-    (no floors, no fixed widths, statistics ignored), with ``S(b) = 4**-b``. Then every
-    tensor's variance comes out proportional to its size, and the ratio is the size-weighted
-    geometric mean of the sensitivity per element over its arithmetic mean."""
-    c = {k: sens[k][2] for k in slots if sens.get(k, {}).get(2, 0.0) > 0.0}
-    n = {k: slots[k].numel for k in c}
-    total, sensitive = sum(slots[k].numel for k in slots), sum(n.values())
-    # insensitive tensors take no bits; the rest share all of them
-    mean_log = sum(n[k] * math.log(c[k] / n[k]) for k in c) / sensitive
-    best = sensitive * math.exp(mean_log) * 4.0 ** -(budget * total / sensitive)
-    return best / (sum(c.values()) * 4.0 ** -budget)
+def allocation_bound(units: list[tuple[int, float]], budget: float) -> float:
+    """The least variance, relative to uniform ``budget`` bits, of any allocation that gives
+    each unit (``(numel, sensitivity)``: a tensor, or a group of one) its own bits, chosen
+    freely as real numbers (no floors, no fixed widths, statistics ignored), with
+    ``S(b) = 4**-b``. Then every unit's variance comes out proportional to its size, and the
+    ratio is the size-weighted geometric mean of the sensitivity per element over its
+    arithmetic mean. Insensitive units take no bits; the rest share all of them."""
+    total = sum(n for n, _ in units)
+    sensitive = [(n, c) for n, c in units if c > 0.0]
+    numel = sum(n for n, _ in sensitive)
+    mean_log = sum(n * math.log(c / n) for n, c in sensitive) / numel
+    best = numel * math.exp(mean_log) * 4.0 ** -(budget * total / numel)
+    return best / (sum(c for _, c in sensitive) * 4.0 ** -budget)
+
+
+class GroupSteps:
+    """Collects every slot's per-group quantization steps, fed by ActivationCapture like an
+    estimator: how a tensor's rounding noise is spread over its groups."""
+
+    def __init__(self):
+        self.steps: dict[str, torch.Tensor] = {}
+
+    def observe_stats(self, slot, module, stats, bits, group_size) -> None:
+        self.steps[slot] = stats[:, 1].float().abs()  # (low, step) per group; a sign marks zero-preserving
+
+    def observe_output(self, module, output) -> None:
+        pass
+
+
+def allocation_bounds(sens: dict, slots: dict, steps: dict, group_size: int, budget: float) -> dict:
+    """:func:`allocation_bound` with bits per tensor and with bits per group (a tensor's
+    sensitivity split over its groups by their squared step, as its variance is)."""
+    per_tensor = [(info.numel, sens.get(k, {}).get(2, 0.0)) for k, info in slots.items()]
+    per_group = []
+    for k, info in slots.items():
+        c, step = sens.get(k, {}).get(2, 0.0), steps.get(k)
+        if step is None or float(step.square().sum()) == 0.0:
+            per_group.append((info.numel, c))
+            continue
+        share = step.square() / step.square().sum()
+        per_group += [(group_size, c * w) for w in share.tolist()]
+    return {"per_tensor": allocation_bound(per_tensor, budget), "per_group": allocation_bound(per_group, budget)}
 
 
 def run_case(name, model, x, loss_on, optimizer, seeds, probe_rows):
@@ -130,6 +159,11 @@ def run_case(name, model, x, loss_on, optimizer, seeds, probe_rows):
         weight_grad(model, loss)
     gradient_sens = estimate.sensitivities()
     gradient_s = time.perf_counter() - started
+    steps = GroupSteps()
+    capture.estimator = steps
+    with capture.capturing(inputs=x, seed=0):
+        loss = full()
+    weight_grad(model, loss)
     slots = dict(capture.slots)
     budget = 2.0  # stores what uniform 2 bits stores, floors included
 
@@ -161,7 +195,7 @@ def run_case(name, model, x, loss_on, optimizer, seeds, probe_rows):
             "variance_vs_uniform": var / uniform_var,
             "update_variance_vs_uniform": update / uniform_update,
             "predicted_vs_uniform": predicted / predicted_uniform,
-            "per_tensor_bound_vs_uniform": per_tensor_bound(sens, slots, budget),
+            "bound_vs_uniform": allocation_bounds(sens, slots, steps.steps, config.group_size, budget),
             "estimator_seconds": seconds,
             "estimator_cost_in_steps": seconds / step_s,
             "bits": {k: (b if b is not None else "exact") for k, b in policy.assignment.items()},
@@ -172,8 +206,9 @@ def run_case(name, model, x, loss_on, optimizer, seeds, probe_rows):
         r = result[f"adaptive_{estimator}"]
         print(f"  adaptive ({estimator:14s}): stores {r['stored_bytes'] / 2**20:.2f} MiB, gradient variance "
               f"{r['variance_vs_uniform']:.3f}x uniform, update variance {r['update_variance_vs_uniform']:.3f}x "
-              f"(estimator expected {r['predicted_vs_uniform']:.3f}x in its own norm, and no per-tensor "
-              f"allocation below {r['per_tensor_bound_vs_uniform']:.3f}x); estimate took "
+              f"(estimator expected {r['predicted_vs_uniform']:.3f}x in its own norm; no allocation below "
+              f"{r['bound_vs_uniform']['per_tensor']:.3f}x per tensor, {r['bound_vs_uniform']['per_group']:.3f}x "
+              f"per group); estimate took "
               f"{r['estimator_seconds']:.2f} s ({r['estimator_cost_in_steps']:.1f} uncompressed steps)")
     return result
 

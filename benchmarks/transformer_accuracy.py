@@ -50,6 +50,7 @@ def train(data: Path, steps: int, settings: dict | None, recalibrate: int, seed:
         callbacks.append(ActCompression(recalibrate_every_n_steps=recalibrate, seed=seed, **settings))
     trainer = L.Trainer(
         accelerator="cpu", max_steps=steps, limit_val_batches=40, val_check_interval=steps,
+        check_val_every_n_epoch=None,  # a schedule may be longer than one epoch
         callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, deterministic=True,
     )
