@@ -714,7 +714,7 @@ class ActivationCapture:
         region = _storage_region(t)
         region_key = None if region is None else (ptr, *region, t.dtype, t._version, as_mask)
         cached = self._regions.get(region_key)
-        if cached is not None and not cached[0].expired() and cached[2] >= _min_bits(t, call):
+        if cached is not None and not cached[0].expired() and cached[2] >= self._bits_needed(t, module, call):
             self._account(module, t, "deduplicated", 0)
             return _RegionView(cached[1], t)
         # Masks and indices are stored losslessly in fewer bits; other dtypes (complex) as they are.
@@ -747,6 +747,15 @@ class ActivationCapture:
             bits = math.inf if lossless is not None else getattr(saved.record, "bits", 0)
             self._regions[region_key] = (StorageWeakRef(t.untyped_storage()), saved.record, bits)
         return saved
+
+    def _bits_needed(self, t: torch.Tensor, module: str, call) -> float:
+        """The fewest bits a copy stored for another save may have to serve this one: the
+        op's floor, or more where a rule pins this module or op to more (or to exact)."""
+        needed = _min_bits(t, call)
+        rule = self.policy.rules.lookup(module, None if call is None else call.name)
+        if rule is not None and rule.pins_bits:
+            needed = math.inf if rule.bits is None else max(needed, rule.bits)  # None: exact
+        return needed
 
     def _codec_for(self, module: str, op: str | None):
         rule = self.policy.rules.lookup(module, op)

@@ -224,6 +224,29 @@ def test_a_shared_storage_run_is_stored_again_for_an_op_that_needs_more_bits():
     assert capture.report.counts.get("deduplicated", 0) == 0
 
 
+@pytest.mark.parametrize("rule", [None, 8, "exact"])
+def test_a_shared_storage_run_is_stored_again_for_a_module_pinned_to_more_bits(rule):
+    class Sin(nn.Module):
+        def forward(self, x):
+            return x.sin()  # saves x as given
+
+    model = nn.ModuleDict({"first": Sin(), "pinned": Sin()})
+    x = torch.randn(4, 6, 30, requires_grad=True)
+    capture = ActivationCapture(
+        CompressionConfig(bits=2, min_numel=0), model, FixedBits(2, {} if rule is None else {"pinned": rule})
+    )
+    with capture.capturing(inputs=x):
+        y = x * 2.0
+        model["first"](y.transpose(1, 2))  # stored at 2 bits
+        model["pinned"](y)  # the same run of storage
+    bits = {slot.module: slot.bits for slot in capture.report.slots.values()}
+    if rule is None:
+        assert bits == {"first": 2} and capture.report.counts["deduplicated"] == 1
+    else:
+        assert bits == {"first": 2, "pinned": None if rule == "exact" else 8}
+        assert capture.report.counts.get("deduplicated", 0) == 0
+
+
 def test_dedup_is_not_fooled_by_a_reused_address():
     """Freed storage handed to a new tensor of the same shape must not hit the cache."""
     torch.manual_seed(0)
