@@ -370,21 +370,31 @@ def _source_parameter(t: torch.Tensor) -> tuple[nn.Parameter | None, bool]:
 
 
 class _ProbeRecord:
-    """Probe mode: the exact tensor, quantized at unpack only when its slot is probed."""
+    """Probe mode: the exact dense tensor, quantized at unpack only when its slot is probed."""
 
-    __slots__ = ("probe", "slot", "saved")
+    __slots__ = ("probe", "slot", "dense")
 
-    def __init__(self, probe: _Probe, slot: str, saved: torch.Tensor):
+    def __init__(self, probe: _Probe, slot: str, dense: torch.Tensor):
         self.probe = probe
         self.slot = slot
-        self.saved = saved
+        self.dense = dense
 
     def unpack(self) -> torch.Tensor:
         if self.probe.noisy_slot != self.slot:
-            return self.saved
-        dense, layout = _Layout.dense_view(self.saved)
-        record = self.probe.codec.pack(dense, self.probe.bits, self.probe.next_seed())
-        return layout.restore(record.unpack())
+            return self.dense
+        return self.probe.codec.pack(self.dense, self.probe.bits, self.probe.next_seed()).unpack()
+
+
+class _KeptRecord:
+    """A run of storage kept as it is, in memory order, for the other views that share it."""
+
+    __slots__ = ("dense",)
+
+    def __init__(self, dense: torch.Tensor):
+        self.dense = dense
+
+    def unpack(self) -> torch.Tensor:
+        return self.dense
 
 
 class _Probe:
@@ -729,6 +739,10 @@ class ActivationCapture:
             return t.detach()
         if lossless is None:
             saved = self._store(t, dense, layout, module, call)
+            # What this copy guarantees to other views: its floor and rule, not the policy's
+            # bits, so which saves share a copy is the same under any policy and in probes.
+            codec = self._codec_for(module, op)
+            guaranteed = self._bits_needed(t, module, call) if codec.unbiased else 0
         else:
             if lossless is self._index_codec:
                 record = lossless.pack(dense, 0, 0, value_range=saved_index_range(call))
@@ -738,14 +752,15 @@ class ActivationCapture:
                 record = lossless.pack(dense, 0, 0)
             self._account(module, t, "lossless", record.nbytes).codecs.add(record.codec)
             saved = _Compressed(record, layout)
+            guaranteed = math.inf
         self._dedup[key] = (StorageWeakRef(t.untyped_storage()), saved)
-        if region_key is not None and isinstance(saved, _Compressed):
-            # Read in memory order, the stored dense tensor is the region itself. Its bits
-            # decide which later views may share it: a view whose op needs more (attention's
-            # query read through another op's 2-bit copy) is stored again. A pooled record
-            # (no bits) has lost the detail other ops may need: it is shared with none.
-            bits = math.inf if lossless is not None else getattr(saved.record, "bits", 0)
-            self._regions[region_key] = (StorageWeakRef(t.untyped_storage()), saved.record, bits)
+        if region_key is not None:
+            # Read in memory order, the stored dense tensor is the region itself: other views
+            # of it may share it, unless they need more bits than it guarantees (attention's
+            # query read through a 2-bit copy made for another op). A pooled copy has lost
+            # detail other ops may need: it guarantees nothing.
+            record = saved.record if isinstance(saved, _Compressed) else _KeptRecord(dense)
+            self._regions[region_key] = (StorageWeakRef(t.untyped_storage()), record, guaranteed)
         return saved
 
     def _bits_needed(self, t: torch.Tensor, module: str, call) -> float:
@@ -779,7 +794,7 @@ class ActivationCapture:
         if self._probe is not None:
             self._probe.slots.append(slot)
             self._account(module, t, "exact", 0)
-            return _ProbeRecord(self._probe, slot, t.detach())
+            return _Compressed(_ProbeRecord(self._probe, slot, dense.detach()), layout)
         bits = self.policy.bits_for(slot, info)
         dense_bytes = dense.numel() * dense.element_size()
         if bits is None:

@@ -187,6 +187,28 @@ def test_views_of_one_storage_run_are_stored_once(permuted_first):
         assert rel_err(g, g_ref) < 0.05  # 8-bit noise; misplaced elements give about 1
 
 
+@pytest.mark.parametrize("policy", [FixedBits(2), FixedBits(2, {"proj": "exact"}), FixedBits(8)])
+def test_probes_see_the_slots_training_stores(policy):
+    """Sensitivities are measured per slot, so probes must share copies as training does,
+    whatever bits the policy gives the first view."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"qkv": nn.Linear(32, 96), "proj": nn.Linear(32, 32)})
+    x = torch.randn(2, 16, 32)
+
+    def loss():
+        q, k, v = (t.unflatten(-1, (4, 8)).transpose(1, 2) for t in model["qkv"](x).chunk(3, dim=-1))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, T, H, D) memory
+        return model["proj"](out.transpose(1, 2).flatten(2)).square().mean()
+
+    capture = ActivationCapture(CompressionConfig(min_numel=0), model, policy)
+    with capture.capturing(inputs=x):
+        loss().backward()
+    stored = set(capture.report.slots)
+    with capture.probing(inputs=x) as probe:
+        loss().backward()
+    assert set(probe.slots) == stored
+
+
 def test_storage_region_of_views():
     base = torch.randn(2, 3, 4, 5)
     whole = (0, base.numel())

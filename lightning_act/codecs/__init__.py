@@ -26,7 +26,9 @@ def make_codec(name: str, group_size: int, block: int):
     """The codec for floating-point activations named by :class:`CompressionConfig.codec`.
 
     Every one has ``keeps_zeros``: whether zeros decode to exact zeros and positive values
-    to positive ones, which a ReLU output needs (its backward reads ``out > 0``).
+    to positive ones, which a ReLU output needs (its backward reads ``out > 0``); and
+    ``unbiased``: whether a decoded tensor equals the original in expectation, so that any
+    op may read it (a pooled copy serves only the op it was made for).
     """
     if name == "division":
         return DivisionCodec(block=block, group_size=group_size)

@@ -122,6 +122,8 @@ class DivisionCodec:
     name = "division"
     #: The tile mean plus a residual does not decode zeros to zeros.
     keeps_zeros = False
+    #: The residual is rounded stochastically: decoding is unbiased.
+    unbiased = True
 
     def __init__(self, block: int = 8, lfc_dtype: torch.dtype = torch.bfloat16, group_size: int = 256):
         if isinstance(block, bool) or not isinstance(block, int) or block < 2:

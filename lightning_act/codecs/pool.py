@@ -75,6 +75,8 @@ class PoolCodec:
 
     name = "pool"
     keeps_zeros = False
+    #: Tile means: the detail within a tile is lost, the same for every seed.
+    unbiased = False
 
     def __init__(self, kernel: int = 2):
         if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 2:

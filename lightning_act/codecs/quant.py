@@ -44,6 +44,8 @@ class GroupQuantCodec:
     #: Exact zeros decode to exact zeros and positive values to positive ones (at 2 bits or
     #: more: zero-preserving groups), so a ReLU output keeps its backward mask.
     keeps_zeros = True
+    #: Rounding is stochastic: a decoded tensor equals the original in expectation.
+    unbiased = True
 
     def __init__(self, group_size: int = 256):
         ops.check_quant_args(2, group_size)
