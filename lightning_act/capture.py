@@ -478,7 +478,7 @@ class ActivationCapture:
         self._packs = 0
         self._slot_counts: dict[str, int] = {}
         self._dedup: dict[tuple, tuple[StorageWeakRef, Any]] = {}
-        # stored records by the run of storage they hold, with their bits
+        # stored records by the run of storage they hold, with the bits they guarantee
         self._regions: dict[tuple, tuple[StorageWeakRef, Any, float]] = {}
         self._saved_storages: dict[int, StorageWeakRef] = {}
         self._kept_storages: dict[int, StorageWeakRef] = {}
