@@ -8,7 +8,7 @@ plateau (the loss of character frequencies) until attention starts to work, and 
 happens varies from run to run: one seed's loss after a short schedule says more about
 that moment than about the compression.
 
-    python benchmarks/transformer_accuracy.py --data ../shared/data --steps 400 --seeds 3
+    python benchmarks/transformer_accuracy.py --data ../shared/data --steps 800 --seeds 3
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=Path("../shared/data"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--recalibrate", type=int, default=100, help="steps between recalibrations")
     parser.add_argument("--only", nargs="*", help="names of settings to run (default: all)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds (model, data order, rounding) per setting")
