@@ -33,7 +33,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -302,6 +302,19 @@ class _RegionView:
         return self.record.unpack().reshape(-1).as_strided(self.size, self.stride)
 
 
+class _Shared(NamedTuple):
+    """A stored save, for the later saves of the same tensor that may share it."""
+
+    storage: StorageWeakRef
+    #: ``(shape, strides)`` of the view stored: the same view gets ``saved`` itself.
+    view: tuple
+    saved: Any
+    #: For a run of storage, its record in memory order, from which other views are restored.
+    record: Any
+    #: The fewest bits any reader gets from it; another view needing more is stored again.
+    guaranteed: float
+
+
 class _Compressed:
     """What autograd holds instead of a compressed tensor."""
 
@@ -477,9 +490,7 @@ class ActivationCapture:
         self._seed = seed
         self._packs = 0
         self._slot_counts: dict[str, int] = {}
-        self._dedup: dict[tuple, tuple[StorageWeakRef, Any]] = {}
-        # stored records by the run of storage they hold, with the bits they guarantee
-        self._regions: dict[tuple, tuple[StorageWeakRef, Any, float]] = {}
+        self._dedup: dict[tuple, _Shared] = {}
         self._saved_storages: dict[int, StorageWeakRef] = {}
         self._kept_storages: dict[int, StorageWeakRef] = {}
         self._external: dict[int, StorageWeakRef] = {}
@@ -530,7 +541,6 @@ class ActivationCapture:
             self.total_nonfinite_groups = self.total_nonfinite_groups + found
         self._stats = []
         self._dedup = {}
-        self._regions = {}
         return self.report
 
     def close(self) -> None:
@@ -715,18 +725,20 @@ class ActivationCapture:
         call = self._tracker.current_call()
         op = None if call is None else call.name
         as_mask = floating and (op in _SIGN_ONLY_OPS or op in _DROPOUT_OPS)
-        # A mask serves only its op: the same tensor saved by another op is stored again.
-        key = (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version, as_mask)
-        cached = self._dedup.get(key)
-        if cached is not None and not cached[0].expired():
-            self._account(module, t, "deduplicated", 0)
-            return cached[1]
+        # A view that fills a run of storage is keyed by that run, so that its other views (a
+        # transpose, a reshape) find its copy; any other view by its own layout. A mask serves
+        # only its op: the same tensor saved by another op is stored again.
         region = _storage_region(t)
-        region_key = None if region is None else (ptr, *region, t.dtype, t._version, as_mask)
-        cached = self._regions.get(region_key)
-        if cached is not None and not cached[0].expired() and cached[2] >= self._bits_needed(t, module, call):
-            self._account(module, t, "deduplicated", 0)
-            return _RegionView(cached[1], t)
+        where = region if region is not None else (t.storage_offset(), t.shape, t.stride())
+        key = (ptr, where, t.dtype, t._version, as_mask)
+        cached = self._dedup.get(key)
+        if cached is not None and not cached.storage.expired():
+            if cached.view == (t.shape, t.stride()):
+                self._account(module, t, "deduplicated", 0)
+                return cached.saved
+            if cached.guaranteed >= self._bits_needed(t, module, call):
+                self._account(module, t, "deduplicated", 0)
+                return _RegionView(cached.record, t)
         # Masks and indices are stored losslessly in fewer bits; other dtypes (complex) as they are.
         lossless = self._sign_codec if as_mask else None if floating else self._lossless_codecs.get(t.dtype)
         laid_out = _Layout.dense_view(t) if floating or lossless is not None else None
@@ -739,10 +751,6 @@ class ActivationCapture:
             return t.detach()
         if lossless is None:
             saved = self._store(t, dense, layout, module, call)
-            # What this copy guarantees to other views: its floor and rule, not the policy's
-            # bits, so which saves share a copy is the same under any policy and in probes.
-            codec = self._codec_for(module, op)
-            guaranteed = self._bits_needed(t, module, call) if codec.unbiased else 0
         else:
             if lossless is self._index_codec:
                 record = lossless.pack(dense, 0, 0, value_range=saved_index_range(call))
@@ -752,15 +760,21 @@ class ActivationCapture:
                 record = lossless.pack(dense, 0, 0)
             self._account(module, t, "lossless", record.nbytes).codecs.add(record.codec)
             saved = _Compressed(record, layout)
-            guaranteed = math.inf
-        self._dedup[key] = (StorageWeakRef(t.untyped_storage()), saved)
-        if region_key is not None:
-            # Read in memory order, the stored dense tensor is the region itself: other views
-            # of it may share it, unless they need more bits than it guarantees (attention's
-            # query read through a 2-bit copy made for another op). A pooled copy has lost
-            # detail other ops may need: it guarantees nothing.
-            record = saved.record if isinstance(saved, _Compressed) else _KeptRecord(dense)
-            self._regions[region_key] = (StorageWeakRef(t.untyped_storage()), record, guaranteed)
+        run_record, guaranteed = None, 0.0
+        if region is not None:
+            # Read in memory order, the stored dense tensor is the run itself: other views of
+            # it may share it, unless they need more bits than it guarantees (attention's
+            # query read through a 2-bit copy made for another op). The guarantee is the
+            # floor and rule, not the policy's bits, so which saves share a copy is the same
+            # under any policy and in probes. A pooled copy has lost detail other ops may
+            # need: it guarantees nothing.
+            run_record = saved.record if isinstance(saved, _Compressed) else _KeptRecord(dense)
+            if lossless is not None:
+                guaranteed = math.inf
+            elif self._codec_for(module, op).unbiased:
+                guaranteed = self._bits_needed(t, module, call)
+        storage = StorageWeakRef(t.untyped_storage())
+        self._dedup[key] = _Shared(storage, (t.shape, t.stride()), saved, run_record, guaranteed)
         return saved
 
     def _bits_needed(self, t: torch.Tensor, module: str, call) -> float:
