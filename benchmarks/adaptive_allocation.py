@@ -5,13 +5,15 @@ first trained for the callback's default warm-up (20 steps, with its example's o
 SGD with momentum, AdamW), it compares uniform 2-bit quantization with the adaptive policy
 at the same stored bytes (a budget of 2 stores what uniform 2 bits stores, 8-bit floors
 included), its sensitivities estimated from the normal training step
-("gradient"), by GACT's probes on the raw gradient ("probe_gradient"), or by the probes on
-the optimizer's update ("probe_update", what ActCompression does). Variance is measured,
+("gradient"), by GACT's probes on the raw gradient ("probe_gradient"), by the probes on
+the optimizer's update ("probe_update"), or by the probes on both, each relative to uniform
+2 bits ("probe", what ActCompression does). Variance is measured,
 not estimated, over rounding seeds, in two norms: the gradient's, the mean of
 ``||g_seed - g_exact||**2``, and the update's, the same with every element weighted by
 ``(lr / d)**2`` as the optimizer scales it (``update_weights``); next to the bytes really
 stored, the time each estimator took, and the least variance any allocation of bits per
-tensor, or per group, could reach under the estimator's sensitivities (``allocation_bound``).
+tensor, or per group, could reach under the estimator's sensitivities, with the tensors'
+floors and without (``allocation_bound``).
 
     python benchmarks/adaptive_allocation.py --data ../shared/data --out benchmarks/results
 """
@@ -87,19 +89,28 @@ def measured_variance(model, x, loss_fn, policy, config, exact, weights, seeds):
     return gradient / seeds, update / seeds, stored, capture.report.saved_bytes
 
 
-def allocation_bound(units: list[tuple[int, float]], budget: float) -> float:
+def allocation_bound(units: list[tuple[int, float, int]], budget: float, floors: bool = True) -> float:
     """The least variance, relative to uniform ``budget`` bits, of any allocation that gives
-    each unit (``(numel, sensitivity)``: a tensor, or a group of one) its own bits, chosen
-    freely as real numbers (no floors, no fixed widths, statistics ignored), with
-    ``S(b) = 4**-b``. Then every unit's variance comes out proportional to its size, and the
-    ratio is the size-weighted geometric mean of the sensitivity per element over its
-    arithmetic mean. Insensitive units take no bits; the rest share all of them."""
-    total = sum(n for n, _ in units)
-    sensitive = [(n, c) for n, c in units if c > 0.0]
-    numel = sum(n for n, _ in sensitive)
-    mean_log = sum(n * math.log(c / n) for n, c in sensitive) / numel
-    best = numel * math.exp(mean_log) * 4.0 ** -(budget * total / numel)
-    return best / (sum(c for _, c in sensitive) * 4.0 ** -budget)
+    each unit (``(numel, sensitivity, floor)``: a tensor, or a group of one) its own bits,
+    chosen freely as real numbers (no fixed widths, statistics ignored), with
+    ``S(b) = 4**-b``, at the bytes uniform bits store (a unit below its floor at its floor).
+    With ``floors=False`` a unit may also go below its floor (then every unit's variance
+    comes out proportional to its size, the ratio the size-weighted geometric mean of the
+    sensitivity per element over its arithmetic mean; insensitive units take no bits)."""
+    allowed = sum(n * max(budget, f) for n, _, f in units)
+    uniform = sum(c * 4.0 ** -max(budget, f) for _, c, f in units)
+    lows = [(n, c, f if floors else 0) for n, c, f in units]
+
+    def bits(level: float) -> list[float]:
+        # Where the budget binds, d(variance)/d(bits) is the same for every unit above its floor.
+        return [max(f, 0.5 * (math.log2(c * math.log(4.0) / n) - level)) if c > 0.0 else f for n, c, f in lows]
+
+    low, high = -4000.0, 4000.0  # bracket for log2 of the budget's price
+    for _ in range(200):
+        level = (low + high) / 2
+        used = sum(n * b for (n, _, _), b in zip(lows, bits(level)))
+        low, high = (level, high) if used > allowed else (low, level)
+    return sum(c * 4.0**-b for (_, c, _), b in zip(lows, bits(high))) / uniform
 
 
 class GroupSteps:
@@ -118,17 +129,23 @@ class GroupSteps:
 
 def allocation_bounds(sens: dict, slots: dict, steps: dict, group_size: int, budget: float) -> dict:
     """:func:`allocation_bound` with bits per tensor and with bits per group (a tensor's
-    sensitivity split over its groups by their squared step, as its variance is)."""
-    per_tensor = [(info.numel, sens.get(k, {}).get(2, 0.0)) for k, info in slots.items()]
+    sensitivity split over its groups by their squared step, as its variance is), each with
+    and without the tensors' floors."""
+    per_tensor = [(info.numel, sens.get(k, {}).get(2, 0.0), info.min_bits) for k, info in slots.items()]
     per_group = []
     for k, info in slots.items():
         c, step = sens.get(k, {}).get(2, 0.0), steps.get(k)
         if step is None or float(step.square().sum()) == 0.0:
-            per_group.append((info.numel, c))
+            per_group.append((info.numel, c, info.min_bits))
             continue
         share = step.square() / step.square().sum()
-        per_group += [(group_size, c * w) for w in share.tolist()]
-    return {"per_tensor": allocation_bound(per_tensor, budget), "per_group": allocation_bound(per_group, budget)}
+        per_group += [(group_size, c * w, info.min_bits) for w in share.tolist()]
+    return {
+        "per_tensor": allocation_bound(per_tensor, budget),
+        "per_group": allocation_bound(per_group, budget),
+        "per_tensor_no_floors": allocation_bound(per_tensor, budget, floors=False),
+        "per_group_no_floors": allocation_bound(per_group, budget, floors=False),
+    }
 
 
 def run_case(name, model, x, loss_on, optimizer, seeds, probe_rows):
@@ -168,10 +185,15 @@ def run_case(name, model, x, loss_on, optimizer, seeds, probe_rows):
     budget = 2.0  # stores what uniform 2 bits stores, floors included
 
     probes = {}
-    for estimator, probe_weights in (("probe_gradient", None), ("probe_update", weights)):
+    variants = {  # estimator -> probe_sensitivities' arguments
+        "probe": {"weights": weights},  # ActCompression's: both norms
+        "probe_gradient": {},  # GACT's: the raw gradient's norm
+        "probe_update": {"weights": weights, "update_share": 1.0},  # the optimizer update's alone
+    }
+    for estimator, kwargs in variants.items():
         started = time.perf_counter()
         sens = probe_sensitivities(ActivationCapture(config, model), loss_on(probe_rows), params,
-                                   inputs=x[:probe_rows], weights=probe_weights)
+                                   inputs=x[:probe_rows], **kwargs)
         probes[estimator] = (sens, time.perf_counter() - started)
 
     started = time.perf_counter()
@@ -208,7 +230,8 @@ def run_case(name, model, x, loss_on, optimizer, seeds, probe_rows):
               f"{r['variance_vs_uniform']:.3f}x uniform, update variance {r['update_variance_vs_uniform']:.3f}x "
               f"(estimator expected {r['predicted_vs_uniform']:.3f}x in its own norm; no allocation below "
               f"{r['bound_vs_uniform']['per_tensor']:.3f}x per tensor, {r['bound_vs_uniform']['per_group']:.3f}x "
-              f"per group); estimate took "
+              f"per group, {r['bound_vs_uniform']['per_tensor_no_floors']:.3f}x and "
+              f"{r['bound_vs_uniform']['per_group_no_floors']:.3f}x without floors); estimate took "
               f"{r['estimator_seconds']:.2f} s ({r['estimator_cost_in_steps']:.1f} uncompressed steps)")
     return result
 

@@ -232,6 +232,33 @@ def test_update_weights_follow_each_optimizer_step():
     plain = probe_sensitivities(ActivationCapture(CompressionConfig(min_numel=256), model),
                                 lambda: model(x).square().mean(), params, inputs=x)
     scaled = probe_sensitivities(ActivationCapture(CompressionConfig(min_numel=256), model),
-                                 lambda: model(x).square().mean(), params, inputs=x, weights=[4.0] * len(params))
+                                 lambda: model(x).square().mean(), params, inputs=x, weights=[4.0] * len(params),
+                                 update_share=1.0)
     for slot, table in plain.items():
         assert scaled[slot][2] == pytest.approx(4 * table[2], rel=1e-5)
+
+
+def test_probe_blends_the_gradient_and_update_norms_at_equal_footing():
+    # Weights that favour the first layer's parameters 1000-fold: the update norm then ranks
+    # the slots differently from the gradient norm, and the blend is their mix, the
+    # gradient's term rescaled so that uniform 2 bits scores the same in both.
+    model = Net()
+    x = torch.randn(32, 64)
+    params = list(model.parameters())
+    weights = [1000.0 if i < 2 else 1.0 for i in range(len(params))]
+
+    def probe(**kwargs):
+        capture = ActivationCapture(CompressionConfig(min_numel=256), model)
+        return probe_sensitivities(capture, lambda: model(x).square().mean(), params, inputs=x, **kwargs)
+
+    gradient, update = probe(), probe(weights=weights, update_share=1.0)
+    blend = probe(weights=weights, update_share=0.25)
+    assert len(gradient) >= 2
+    scale = sum(t[2] for t in update.values()) / sum(t[2] for t in gradient.values())
+    assert scale > 1.0
+    for slot in gradient:
+        for bits in (1, 2, 4, 8):
+            expected = 0.75 * scale * gradient[slot][bits] + 0.25 * update[slot][bits]
+            assert blend[slot][bits] == pytest.approx(expected, rel=1e-5)
+    with pytest.raises(ValueError, match="update_share=1.5"):
+        probe(weights=weights, update_share=1.5)

@@ -118,8 +118,17 @@ def probe_sensitivities(
     probe_bits: Sequence[int] = (1, 2),
     inputs=None,
     weights: Sequence[torch.Tensor | float | None] | None = None,
+    update_share: float = 0.5,
 ) -> dict[str, dict[int, float]]:
     """GACT's probe estimator: the gradient variance each tensor adds when quantized alone.
+
+    With ``weights`` (the optimizer's scaling, :func:`update_weights`) it measures two
+    norms at once, the raw gradient's error and the optimizer update's, and minimises a
+    blend of both. Either alone fails the other: under Adam, the update's norm gives
+    attention's small-gradient weights their due but lets one tensor dominate the raw
+    gradient's error (the output layer's input), and the raw gradient's norm does the
+    reverse. Each norm is measured relative to what uniform 2 bits (or a tensor's floor)
+    adds in it, so neither wins by its units alone.
 
     Args:
         capture: the :class:`~lightning_act.capture.ActivationCapture` whose slots to probe.
@@ -130,16 +139,23 @@ def probe_sensitivities(
             quantizer's ``S(b)`` (wider ones add tiny variance either way).
         inputs: tensors alive for the whole step (the batch), as in ``capture.start``.
         weights: per parameter, a factor on its squared gradient error (see
-            :func:`update_weights`: then the variance is that of the optimizer's update).
+            :func:`update_weights`): the variance of the optimizer's update.
+        update_share: with ``weights``, the update norm's share of the objective, from 0
+            (the raw gradient's alone) to 1 (the update's alone).
 
     Returns:
-        ``v_i(b)`` per slot for every supported bit width.
+        ``v_i(b)`` per slot for every supported bit width, in the update's units when
+        ``weights`` is given (the gradient's term rescaled so that uniform 2 bits scores
+        the same in both norms), else in the gradient's.
     """
-    weights = list(weights) if weights is not None else [None] * len(params)
-    if len(weights) != len(params):
+    if not 0.0 <= update_share <= 1.0:
+        raise ValueError(f"update_share={update_share!r} is not supported; allowed: a number from 0 to 1")
+    weights = list(weights) if weights is not None else None
+    if weights is not None and len(weights) != len(params):
         raise ValueError(f"weights has {len(weights)} entries for {len(params)} params")
-    kept = [(p, w) for p, w in zip(params, weights) if p.requires_grad]
-    params, weights = [p for p, _ in kept], [w for _, w in kept]
+    kept = [i for i, p in enumerate(params) if p.requires_grad]
+    params = [params[i] for i in kept]
+    norms = [None] if weights is None else [None, [weights[i] for i in kept]]
     with capture.probing(inputs) as probe:
         loss = loss_fn()
     exact = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
@@ -151,29 +167,48 @@ def probe_sensitivities(
         for bits in widths[slot]:
             probe.quantize_only(slot, bits)
             noisy = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-            measured.append(
-                sum(
-                    _weighted_energy(n - e, w)
-                    for n, e, w in zip(noisy, exact, weights)
-                    if n is not None and e is not None
-                )
-            )
+            errors = [None if n is None or e is None else (n - e).float().square() for n, e in zip(noisy, exact)]
+            measured.append(torch.stack([_weighted_energy(errors, norm) for norm in norms]))
     probe.quantize_only(None, 0)
     del loss
     if not measured:
         return {}
     values = iter(torch.stack(measured).tolist())
-    tables = {}
+    tables = [{} for _ in norms]  # per norm: slot -> bits -> variance
     for slot in probe.slots:
-        table = {bits: next(values) for bits in widths[slot]}
+        for bits in widths[slot]:
+            for table, value in zip(tables, next(values)):
+                table.setdefault(slot, {})[bits] = value
+    tables = [_extrapolate(table) for table in tables]
+    if weights is None:
+        return tables[0]
+    gradient, update = tables
+    reference = {slot: max(2, floor) for slot, floor in floors.items()}
+    gradient_total = sum(gradient[slot][bits] for slot, bits in reference.items())
+    update_total = sum(update[slot][bits] for slot, bits in reference.items())
+    scale = update_total / gradient_total if gradient_total > 0.0 else 0.0
+    return {
+        slot: {
+            bits: (1.0 - update_share) * scale * gradient[slot][bits] + update_share * update[slot][bits]
+            for bits in SUPPORTED_BITS
+        }
+        for slot in probe.slots
+    }
+
+
+def _extrapolate(tables: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
+    """Fill the widths not probed from the widest one probed, with ``S(b)``."""
+    for table in tables.values():
         widest = max(table)
         for bits in SUPPORTED_BITS:
             if bits not in table:
                 table[bits] = table[widest] * quantization_variance(bits) / quantization_variance(widest)
-        tables[slot] = table
     return tables
 
 
-def _weighted_energy(error: torch.Tensor, weight: torch.Tensor | float | None) -> torch.Tensor:
-    energy = error.float().square()
-    return (energy if weight is None else energy * weight).sum()
+def _weighted_energy(errors: list[torch.Tensor | None], weights: list | None) -> torch.Tensor:
+    """Summed squared error (None: a parameter the loss does not reach), each parameter's
+    weighted by its update weight where it has one."""
+    weights = weights or [None] * len(errors)
+    terms = [(e if w is None else e * w).sum() for e, w in zip(errors, weights) if e is not None]
+    return sum(terms) if terms else torch.zeros(())
