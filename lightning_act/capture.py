@@ -592,8 +592,9 @@ class ActivationCapture:
             loss_fn: runs the forward on a small batch (a few samples) and returns the loss.
             inputs: that batch's tensors, alive for the whole probe (not compressed).
             optimizers: the optimizers that will apply the gradients: the variance measured
-                is then that of their update (Adam's per-element scaling included, see
-                :func:`~lightning_act.policy.estimators.update_weights`), not of the raw gradient.
+                is then that of the raw gradient and of their update (Adam's per-element
+                scaling included, see :func:`~lightning_act.policy.estimators.update_weights`)
+                together, each relative to uniform 2 bits; without, the raw gradient's alone.
 
         Returns:
             Per slot, the variance it adds at each bit width.
