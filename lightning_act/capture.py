@@ -87,15 +87,13 @@ _STATISTIC_RATIO = 8
 
 
 def _is_statistic(t: torch.Tensor, call) -> bool:
-    activations = [
-        a
-        for a in (*call.args, *call.kwargs.values())
-        if isinstance(a, torch.Tensor) and _source_parameter(a)[0] is None
-    ]
     storage = t.untyped_storage().data_ptr()
-    if any(a.untyped_storage().data_ptr() == storage for a in activations):
+    inputs = [a for a in (*call.args, *call.kwargs.values()) if isinstance(a, torch.Tensor)]
+    if any(a.untyped_storage().data_ptr() == storage for a in inputs):
         return False  # the op saves one of its inputs
-    return t.numel() * _STATISTIC_RATIO <= max((a.numel() for a in activations), default=0)
+    # Only a larger activation makes it a statistic; a parameter's size says nothing.
+    larger = (a for a in inputs if a.numel() >= t.numel() * _STATISTIC_RATIO)
+    return any(_source_parameter(a)[0] is None for a in larger)
 
 
 def _is_attention_score_input(t: torch.Tensor, call) -> bool:
@@ -251,6 +249,8 @@ class _Layout:
     @staticmethod
     def dense_view(t: torch.Tensor) -> tuple[torch.Tensor, _Layout] | None:
         """A contiguous tensor holding ``t``'s distinct elements, or None if they overlap."""
+        if t.is_contiguous():
+            return t, _Layout(None, None)
         expand_to = None
         if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
             expand_to = t.shape
