@@ -39,8 +39,8 @@ def allocation_table(
     report: CompressionReport,
 ) -> str:
     """A markdown table: slot, module, the op that saved it, shape, bits, codec, bytes kept vs
-    stored, and the estimated gradient variance the tensor adds at 2 bits (its sensitivity)
-    and at its chosen bits."""
+    stored, and the estimated variance the tensor adds at 2 bits (its sensitivity) and at its
+    chosen bits, in the estimator's units (see :mod:`lightning_act.policy.estimators`)."""
     lines = [
         "| tensor | module | op | shape | bits | codec | saved KiB | stored KiB | variance at 2 bits | at its bits |",
         "|---|---|---|---|---|---|---:|---:|---:|---:|",
