@@ -807,7 +807,8 @@ class ActivationCapture:
             min_bits=_min_bits(t, call),
         )
         if self._probe is not None:
-            self._probe.slots.append(slot)
+            if not self.policy.pins_bits(info):  # a rule decides its bits: nothing to measure
+                self._probe.slots.append(slot)
             self._account(module, t, "exact", 0)
             return _Compressed(_ProbeRecord(self._probe, slot, dense.detach()), layout)
         bits = self.policy.bits_for(slot, info)

@@ -206,7 +206,10 @@ def test_probes_see_the_slots_training_stores(policy):
     stored = set(capture.report.slots)
     with capture.probing(inputs=x) as probe:
         loss().backward()
-    assert set(probe.slots) == stored
+    # A slot whose bits a rule pins is stored but never probed: no allocation reads it.
+    assert set(probe.slots) == {slot for slot in stored if not policy.pins_bits(capture.slots[slot])}
+    if policy.rules.rules:
+        assert len(probe.slots) < len(stored)
 
 
 def test_storage_region_of_views():
