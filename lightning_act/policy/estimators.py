@@ -167,8 +167,7 @@ def probe_sensitivities(
         for bits in widths[slot]:
             probe.quantize_only(slot, bits)
             noisy = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-            errors = [None if n is None or e is None else (n - e).float().square() for n, e in zip(noisy, exact)]
-            measured.append(torch.stack([_weighted_energy(errors, norm) for norm in norms]))
+            measured.append(_error_energies(noisy, exact, norms))
     probe.quantize_only(None, 0)
     del loss
     if not measured:
@@ -206,9 +205,16 @@ def _extrapolate(tables: dict[str, dict[int, float]]) -> dict[str, dict[int, flo
     return tables
 
 
-def _weighted_energy(errors: list[torch.Tensor | None], weights: list | None) -> torch.Tensor:
-    """Summed squared error (None: a parameter the loss does not reach), each parameter's
-    weighted by its update weight where it has one."""
-    weights = weights or [None] * len(errors)
-    terms = [(e if w is None else e * w).sum() for e, w in zip(errors, weights) if e is not None]
-    return sum(terms) if terms else torch.zeros(())
+def _error_energies(noisy, exact, norms: list[list | None]) -> torch.Tensor:
+    """Per norm, the summed squared gradient error: plain (None), or each parameter's
+    weighted by its update weight. One parameter's error at a time, so the probe's peak
+    memory is one extra parameter, not a copy of the gradient."""
+    totals: list[torch.Tensor | float] = [0.0] * len(norms)
+    for i, (n, e) in enumerate(zip(noisy, exact)):
+        if n is None or e is None:  # a parameter the loss does not reach
+            continue
+        error = (n - e).float().square()
+        for j, norm in enumerate(norms):
+            weight = None if norm is None else norm[i]
+            totals[j] = totals[j] + (error if weight is None else error * weight).sum()
+    return torch.stack([torch.as_tensor(total) for total in totals])
