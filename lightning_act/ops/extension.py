@@ -44,7 +44,16 @@ _KERNEL_MODES = ("auto", "reference")
 
 _LOGGER = logging.getLogger("lightning_act")
 
-_HEADERS = ("quant_math.h", "quant_args.h", "quant_cpu.h", "quant_cuda.cuh", "division.h")
+_HEADERS = (
+    "quant_math.h",
+    "quant_args.h",
+    "quant_cpu.h",
+    "quant_kernels.cuh",
+    "quant_cuda.cuh",
+    "division_math.h",
+    "division.h",
+    "division_kernels.cuh",
+)
 _SOURCES = {"cpu": ("quant_cpu.cpp", "division_cpu.cpp"), "cuda": ("quant_cuda.cu", "division_cuda.cu")}
 
 
