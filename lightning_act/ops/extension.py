@@ -13,11 +13,20 @@ Environment variables:
   are first needed.
 * ``LIGHTNING_ACT_BUILD_DIR``: root of the build cache, ``~/.cache/lightning_act`` by
   default. Each build goes to a subfolder named after the torch version, the Python
-  version, the device type and a hash of the sources and flags, so changing any of them
-  triggers a fresh build instead of reusing a stale library.
+  version, the device type and a hash of the sources, the flags, the CUDA architectures and
+  the Python environment (``sys.prefix`` and torch's install folder), so changing any of
+  them triggers a fresh build instead of reusing a stale library, and two virtual
+  environments never take turns rebuilding each other's kernels.
+* ``TORCH_CUDA_ARCH_LIST``: the CUDA architectures to build for, e.g. ``9.0``; by default
+  those of the visible GPUs.
 
-``python -m lightning_act.ops.extension --compile-cuda`` compiles the CUDA sources with
-nvcc alone, which needs neither a GPU nor the CUDA runtime (for CI machines without GPUs).
+A build logs a warning when it starts and another with its duration when it is done;
+loading a cached build is silent.
+
+``python -m lightning_act.ops --build cuda`` (or ``cpu``) builds, links and loads one device
+type's kernels through the same function and flags as their first use, without running
+them; for ``cuda`` it needs nvcc (``CUDA_HOME``) but no GPU when ``TORCH_CUDA_ARCH_LIST`` is
+set. CI uses it to check the CUDA kernels on machines without GPUs.
 """
 
 from __future__ import annotations
@@ -26,9 +35,7 @@ import argparse
 import hashlib
 import logging
 import os
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -36,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BUILD_DIR_ENV", "KERNELS_ENV", "compile_cuda_sources", "ensure_kernels", "loaded_kernels"]
+__all__ = ["BUILD_DIR_ENV", "KERNELS_ENV", "build_kernels", "ensure_kernels", "loaded_kernels"]
 
 KERNELS_ENV = "LIGHTNING_ACT_KERNELS"
 BUILD_DIR_ENV = "LIGHTNING_ACT_BUILD_DIR"
@@ -123,38 +130,88 @@ def _load(device_type: str) -> bool:
         return False
     if device_type == "cuda" and not torch.cuda.is_available():
         return False
-    sources = [_SOURCE_DIR / name for name in _SOURCES[device_type]]
-    missing = [str(path) for path in sources + [_SOURCE_DIR / name for name in _HEADERS] if not path.is_file()]
-    if missing:
-        _warn_fallback(device_type, f"Kernel sources not found: {', '.join(missing)}.")
-        return False
-
-    # Imported on demand: importing it probes for a CUDA toolkit and may log about it.
-    from torch.utils import cpp_extension
-
-    cflags, cuda_flags, ldflags = _build_flags(device_type)
-    build_dir = _build_dir(device_type, sources, cflags + cuda_flags + ldflags)
-    _LOGGER.info("building lightning_act %s kernels (first use) in %s", device_type, build_dir)
-    started = time.perf_counter()
     try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=f"lightning_act_{device_type}",
-            sources=[str(path) for path in sources],
-            extra_cflags=cflags,
-            extra_cuda_cflags=cuda_flags,
-            extra_ldflags=ldflags,
-            extra_include_paths=[str(_SOURCE_DIR)],
-            build_directory=str(build_dir),
-            with_cuda=device_type == "cuda",
-            is_python_module=False,
-            verbose=False,
-        )
+        build_kernels(device_type)
+    except FileNotFoundError as error:
+        _warn_fallback(device_type, str(error))
+        return False
     except Exception as error:  # noqa: BLE001 - any build or load failure falls back to the reference
         _warn_fallback(device_type, f"Build error:\n{_first_error_lines(error)}")
         return False
-    _LOGGER.info("lightning_act %s kernels ready in %.1f s", device_type, time.perf_counter() - started)
     return True
+
+
+def build_kernels(device_type: str) -> Path:
+    """Builds, links and loads the fused kernels of ``device_type``; returns the build folder.
+
+    This is what the first op on a device type runs, with the same sources, flags and cache,
+    so a build checked here is the build users get. Loading registers the kernels with the
+    dispatcher; it does not run them, so CUDA kernels can be built and loaded on a machine
+    without a GPU (with ``TORCH_CUDA_ARCH_LIST`` set), as CI does.
+
+    Raises:
+        ValueError: ``device_type`` has no fused kernels, or it is ``cuda``, no GPU is
+            visible and ``TORCH_CUDA_ARCH_LIST`` is not set.
+        FileNotFoundError: a kernel source is missing.
+        Exception: whatever the compiler, linker or loader raised, with their output.
+    """
+    if device_type not in _SOURCES:
+        raise ValueError(f"no fused kernels for device type {device_type!r}; allowed: {', '.join(_SOURCES)}")
+    sources = [_SOURCE_DIR / name for name in _SOURCES[device_type]]
+    missing = [str(path) for path in sources + [_SOURCE_DIR / name for name in _HEADERS] if not path.is_file()]
+    if missing:
+        raise FileNotFoundError(f"Kernel sources not found: {', '.join(missing)}.")
+    if device_type == "cuda" and not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.device_count() == 0:
+        raise ValueError(
+            "no GPU is visible to choose the CUDA architectures from; set TORCH_CUDA_ARCH_LIST, e.g. to 9.0"
+        )
+    cpp_extension = _cpp_extension()
+    name = f"lightning_act_{device_type}"
+    cflags, cuda_flags, ldflags = _build_flags(device_type)
+    build_dir = _build_dir(device_type, sources, cflags + cuda_flags + ldflags)
+    cached = (build_dir / f"{name}{cpp_extension.LIB_EXT}").is_file()
+    if not cached:
+        _LOGGER.warning(
+            "lightning_act: building the fused %s kernels, once per environment, in %s", device_type, build_dir
+        )
+    started = time.perf_counter()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=name,
+        sources=[str(path) for path in sources],
+        extra_cflags=cflags,
+        extra_cuda_cflags=cuda_flags,
+        extra_ldflags=ldflags,
+        extra_include_paths=[str(_SOURCE_DIR)],
+        build_directory=str(build_dir),
+        with_cuda=device_type == "cuda",
+        is_python_module=False,
+        verbose=False,
+    )
+    if not cached:
+        elapsed = time.perf_counter() - started
+        _LOGGER.warning("lightning_act: built the fused %s kernels in %.1f s", device_type, elapsed)
+    return build_dir
+
+
+def _cpp_extension():
+    """``torch.utils.cpp_extension``, imported on demand and without its CUDA notice.
+
+    Importing it looks for a CUDA toolkit and, on a machine without a GPU, logs "No CUDA
+    runtime is found, using CUDA_HOME=...": a false alarm when building the CPU kernels,
+    which need no CUDA, and no news when building CUDA kernels without a GPU on purpose.
+    """
+    notice = logging.getLogger("torch.utils.cpp_extension")
+
+    def not_the_cuda_notice(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No CUDA runtime is found")
+
+    notice.addFilter(not_the_cuda_notice)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        notice.removeFilter(not_the_cuda_notice)
+    return cpp_extension
 
 
 def _build_flags(device_type: str) -> tuple[list[str], list[str], list[str]]:
@@ -172,11 +229,21 @@ def _build_dir(device_type: str, sources: list[Path], flags: list[str]) -> Path:
     for path in sorted(sources + [_SOURCE_DIR / name for name in _HEADERS]):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
-    digest.update("\0".join(flags).encode())
+    # The install, so that two environments with the same torch version keep their own
+    # builds; and, for CUDA, the architectures torch's build adds to the flags.
+    environment = [*flags, sys.prefix, str(Path(torch.__file__).resolve().parent)]
+    if device_type == "cuda":
+        environment.append(os.environ.get("TORCH_CUDA_ARCH_LIST") or _visible_architectures())
+    digest.update("\0".join(environment).encode())
     default_root = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "lightning_act"
     root = Path(os.environ.get(BUILD_DIR_ENV) or default_root).expanduser()
     name = f"{torch.__version__}-{sys.implementation.cache_tag}-{device_type}-{digest.hexdigest()[:12]}"
     return root / name
+
+
+def _visible_architectures() -> str:
+    """The compute capabilities of the visible GPUs, e.g. "9.0;9.0"."""
+    return ";".join("%d.%d" % torch.cuda.get_device_capability(index) for index in range(torch.cuda.device_count()))
 
 
 def _first_error_lines(error: BaseException) -> str:
@@ -201,70 +268,22 @@ def _warn_fallback(device_type: str, reason: str) -> None:
     )
 
 
-def compile_cuda_sources(arch: str = "90", output_dir: str | os.PathLike | None = None) -> None:
-    """Compiles every ``csrc/*.cu`` to an object file with nvcc alone.
-
-    Needs the CUDA toolkit (``CUDA_HOME`` or nvcc on ``PATH``) but no GPU and no CUDA
-    runtime, so CI machines without GPUs can check that the CUDA kernels compile.
-
-    Args:
-        arch: compute capability without the dot, e.g. ``"90"`` for H100.
-        output_dir: where the object files go; a temporary folder, removed afterwards, by
-            default.
-
-    Raises:
-        FileNotFoundError: no nvcc or no ``.cu`` source was found.
-        subprocess.CalledProcessError: nvcc failed; its output is in ``output``.
-    """
-    from torch.utils import cpp_extension  # see _load
-
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or cpp_extension.CUDA_HOME
-    nvcc = Path(cuda_home, "bin", "nvcc") if cuda_home else None
-    if nvcc is None or not nvcc.is_file():
-        raise FileNotFoundError(f"nvcc not found under CUDA_HOME={cuda_home!r}; set CUDA_HOME to the CUDA toolkit")
-    sources = sorted(_SOURCE_DIR.glob("*.cu"))
-    if not sources:
-        raise FileNotFoundError(f"no CUDA sources in {_SOURCE_DIR}")
-    includes = [*cpp_extension.include_paths(device_type="cuda"), str(Path(cuda_home, "include")), str(_SOURCE_DIR)]
-    flags = [
-        "-DTORCH_EXTENSION_NAME=lightning_act_cuda",
-        "-DTORCH_API_INCLUDE_EXTENSION_H",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        *cpp_extension.COMMON_NVCC_FLAGS,
-        "-std=c++20",
-        "--compiler-options",
-        "-fPIC",
-        f"-gencode=arch=compute_{arch},code=sm_{arch}",
-        *_CUDA_FLAGS,
-        *(f"-I{path}" for path in dict.fromkeys(includes)),
-    ]
-    with tempfile.TemporaryDirectory(prefix="lightning_act_nvcc_") as scratch:
-        target = Path(output_dir) if output_dir is not None else Path(scratch)
-        target.mkdir(parents=True, exist_ok=True)
-        for source in sources:
-            command = [str(nvcc), "-c", str(source), "-o", str(target / f"{source.stem}.o"), *flags]
-            subprocess.run(command, check=True, capture_output=True, text=True)
-
-
-def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_act.ops.extension", description=__doc__.split("\n")[0])
-    parser.add_argument("--compile-cuda", action="store_true", help="compile csrc/*.cu with nvcc (no GPU needed)")
-    parser.add_argument("--arch", default="90", help="compute capability for --compile-cuda (default: 90)")
-    parser.add_argument("--output-dir", help="keep the object files of --compile-cuda here")
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lightning_act.ops --build {cpu,cuda}``: :func:`build_kernels` from the shell."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_act.ops", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--build",
+        choices=sorted(_SOURCES),
+        required=True,
+        help="build, link and load this device type's kernels as their first use does (no GPU needed for cuda "
+        "when TORCH_CUDA_ARCH_LIST is set)",
+    )
     args = parser.parse_args(argv)
-    if not args.compile_cuda:
-        parser.print_help()
-        return 2
-    sources = ", ".join(path.name for path in sorted(_SOURCE_DIR.glob("*.cu")))
     started = time.perf_counter()
     try:
-        compile_cuda_sources(args.arch, args.output_dir)
-    except subprocess.CalledProcessError as error:
-        print(f"nvcc failed (exit {error.returncode}) on {sources}:\n{error.stdout}{error.stderr}", file=sys.stderr)
+        build_dir = build_kernels(args.build)
+    except Exception as error:  # noqa: BLE001 - reported with the compiler's output, as a failed exit
+        print(f"building the {args.build} kernels failed: {error}", file=sys.stderr)
         return 1
-    print(f"compiled {sources} from {_SOURCE_DIR} for sm_{args.arch} in {time.perf_counter() - started:.1f} s")
+    print(f"{args.build} kernels built and loaded in {time.perf_counter() - started:.1f} s: {build_dir}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())
