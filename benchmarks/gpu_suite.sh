@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every check that needs a GPU, as one command that ends within 10 minutes on one H100:
-#   1. the CUDA kernels against the pure-PyTorch reference, bit for bit (pytest -m cuda);
+#   1. the CUDA kernels built for this GPU as their first use builds them, with the compiler's
+#      output on failure, then checked against the pure-PyTorch reference, bit for bit
+#      (pytest -m cuda);
 #   2. the benchmark harness's GPU suite: memory, speed, largest batch, accuracy.
 # Results go to $OUT when it is set, else to benchmarks/results.
 #
@@ -30,8 +32,10 @@ for needed in cifar10/cifar10_jpeg_train.npz cifar10/cifar10_jpeg_test.npz plane
 done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
+python -m lightning_act.ops --build cuda 2>&1 | tee "$OUT/harness_gpu_build.txt"
+build_status=${PIPESTATUS[0]}
 python -m pytest -q -m cuda tests/ 2>&1 | tee "$OUT/harness_gpu_pytest.txt"
-tests_status=${PIPESTATUS[0]}
+tests_status=$(( PIPESTATUS[0] || build_status ))
 echo "== CUDA kernel tests: exit ${tests_status}, ${SECONDS} s so far"
 
 python benchmarks/harness.py --suite gpu --data-dir "$DATA_DIR" --out "$OUT" --time-limit $((TOTAL_S - SECONDS))
