@@ -263,7 +263,17 @@ Device& device() {
   return emulated;
 }
 
-void set_context(const char* description) { context_text = description; }
+void set_context(const char* description) {
+#if defined(__SANITIZE_ADDRESS__)
+  // A sanitizer's report then ends with the case it happened in.
+  static const bool registered = [] {
+    __sanitizer_set_death_callback([] { std::fprintf(stderr, "emulator case: %s\n", context_text.c_str()); });
+    return true;
+  }();
+  (void)registered;
+#endif
+  context_text = description;
+}
 
 void run_grid(dim3 grid, dim3 block, const std::function<void()>& body) {
   if (grid.y != 1 || grid.z != 1 || block.y != 1 || block.z != 1) {

@@ -93,13 +93,15 @@ def run_emulator(executable: Path, cases: list[str]) -> None:
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "ASAN_OPTIONS": "detect_leaks=1", "UBSAN_OPTIONS": "print_stacktrace=1"},
+        env={**os.environ, "ASAN_OPTIONS": "detect_leaks=1:print_legend=0", "UBSAN_OPTIONS": "print_stacktrace=1"},
     )
     # ASan's one-line notice that it cannot vouch for every fiber switch; lockstep.cpp
     # announces each switch to it.
     report = "\n".join(line for line in result.stderr.splitlines() if "makecontext/swapcontext" not in line)
-    assert result.returncode == 0, f"emulator exit {result.returncode}:\n{report[-8000:]}"
-    assert not report.strip(), f"emulator printed:\n{report[-8000:]}"
+    # A sanitizer report says what and where first, and ends with the case being run.
+    shown = report if len(report) <= 8000 else f"{report[:6000]}\n...\n{report[-1000:]}"
+    assert result.returncode == 0, f"emulator exit {result.returncode}:\n{shown}"
+    assert not report.strip(), f"emulator printed:\n{shown}"
     assert result.stdout.strip() == f"{len(cases)} cases"
     print(f"{len(cases)} emulated cases in {time.perf_counter() - started:.1f} s")
 
