@@ -265,7 +265,7 @@ Device& device() {
 
 void set_context(const char* description) {
 #if defined(__SANITIZE_ADDRESS__)
-  // A sanitizer's report then ends with the case it happened in.
+  // An AddressSanitizer report then ends with the case it happened in.
   static const bool registered = [] {
     __sanitizer_set_death_callback([] { std::fprintf(stderr, "emulator case: %s\n", context_text.c_str()); });
     return true;

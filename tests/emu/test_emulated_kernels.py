@@ -98,7 +98,7 @@ def run_emulator(executable: Path, cases: list[str]) -> None:
     # ASan's one-line notice that it cannot vouch for every fiber switch; lockstep.cpp
     # announces each switch to it.
     report = "\n".join(line for line in result.stderr.splitlines() if "makecontext/swapcontext" not in line)
-    # A sanitizer report says what and where first, and ends with the case being run.
+    # A sanitizer report says what and where first; ASan's ends with the case being run.
     shown = report if len(report) <= 8000 else f"{report[:6000]}\n...\n{report[-1000:]}"
     assert result.returncode == 0, f"emulator exit {result.returncode}:\n{shown}"
     assert not report.strip(), f"emulator printed:\n{shown}"
