@@ -47,7 +47,7 @@ def test_accounting_equals_committed_results(quick_run):
             for key in ("saved_bytes", "stored_bytes", "decisions"):
                 assert got[method][key] == want[method][key], (
                     f"{model} {method} {key}: {got[method][key]} now, {want[method][key]} in {COMMITTED.name}; "
-                    "if the library changed on purpose, rerun the CPU suite (README, 'Measured')"
+                    "if the library changed on purpose, rerun the CPU suite (docs/results.md)"
                 )
 
 
