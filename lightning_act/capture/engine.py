@@ -371,20 +371,11 @@ class ActivationCapture:
         if kind is Kind.CAST_PARAMETER:
             self._account(module, t, Outcome.KEPT, 0)
             return t.detach()
-        # A view that fills a run of storage is keyed by that run, so that its other views (a
-        # transpose, a reshape) find its copy; any other view by its own layout. A sign mask
-        # serves only its op: the same tensor saved by another op is stored again.
-        region = storage_region(t)
-        where = region if region is not None else (t.storage_offset(), t.shape, t.stride())
-        key = (ptr, where, t.dtype, t._version, kind is Kind.SIGN_MASK)
-        cached = self._dedup.get(key)
-        if cached is not None and not cached.storage.expired():
-            if cached.view == (t.shape, t.stride()):
-                self._account(module, t, Outcome.DEDUPLICATED, 0)
-                return cached.saved
-            if cached.guaranteed >= self._bits_needed(module, op, decision):
-                self._account(module, t, Outcome.DEDUPLICATED, 0)
-                return RegionView(cached.record, t)
+        key, region = self._sharing_key(t, ptr, kind)
+        shared = self._shared_copy(key, t, module, op, decision)
+        if shared is not None:
+            self._account(module, t, Outcome.DEDUPLICATED, 0)
+            return shared
         if kind is Kind.KEEP or kind is Kind.STATISTIC:
             self._account(module, t, Outcome.KEPT if kind is Kind.KEEP else Outcome.STATISTIC, 0)
             return t.detach()
@@ -393,6 +384,46 @@ class ActivationCapture:
             saved = self._store(t, dense, decision, module, op)
         else:
             saved = self._store_lossless(t, dense, decision, module)
+        self._share(key, region, t, dense, saved, module, op, decision)
+        return saved
+
+    # ----------------------------------------------------------------- one copy for many saves
+    @staticmethod
+    def _sharing_key(t: torch.Tensor, ptr: int, kind: Kind) -> tuple[tuple, tuple[int, int] | None]:
+        """The key under which saves of the same tensor find one stored copy, and the run of
+        storage ``t`` fills (None if it fills none).
+
+        A view that fills a run of storage is keyed by that run, so that its other views (a
+        transpose, a reshape) find its copy; any other view by its own layout. A sign mask
+        serves only its op: the same tensor saved by another op is stored again.
+        """
+        region = storage_region(t)
+        where = region if region is not None else (t.storage_offset(), t.shape, t.stride())
+        return (ptr, where, t.dtype, t._version, kind is Kind.SIGN_MASK), region
+
+    def _shared_copy(self, key: tuple, t: torch.Tensor, module: str, op: str | None, decision: Decision) -> Any:
+        """What autograd may hold for ``t`` from an earlier save's copy, or None."""
+        cached = self._dedup.get(key)
+        if cached is None or cached.storage.expired():
+            return None
+        if cached.view == (t.shape, t.stride()):
+            return cached.saved
+        if cached.guaranteed >= self._bits_needed(module, op, decision):
+            return RegionView(cached.record, t)
+        return None
+
+    def _share(
+        self,
+        key: tuple,
+        region: tuple[int, int] | None,
+        t: torch.Tensor,
+        dense: torch.Tensor,
+        saved: Any,
+        module: str,
+        op: str | None,
+        decision: Decision,
+    ) -> None:
+        """Offer what was stored for ``t`` to the later saves of the same tensor."""
         run_record, guaranteed = None, 0.0
         if region is not None:
             # Read in memory order, the stored dense tensor is the run itself: other views of
@@ -402,13 +433,12 @@ class ActivationCapture:
             # under any policy and in probes. A pooled copy has lost detail other ops may
             # need: it guarantees nothing.
             run_record = saved.record if isinstance(saved, Compressed) else KeptRecord(dense)
-            if kind is not Kind.QUANTIZE:
+            if decision.kind is not Kind.QUANTIZE:
                 guaranteed = math.inf
             elif self._codec_for(module, op, decision).unbiased:
                 guaranteed = self._bits_needed(module, op, decision)
         storage = StorageWeakRef(t.untyped_storage())
         self._dedup[key] = Shared(storage, (t.shape, t.stride()), saved, run_record, guaranteed)
-        return saved
 
     def _bits_needed(self, module: str, op: str | None, decision: Decision) -> float:
         """The fewest bits a copy stored for another save may have to serve this one: the
