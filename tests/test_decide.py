@@ -128,7 +128,7 @@ def test_a_decision_is_a_value_that_repeats_with_its_inputs():
 )
 def test_layout_lays_out_densely_and_restores(make):
     t = make(torch.randn(2, 5, 4, 3))
-    layout = Layout.of(t.shape, t.stride())
+    layout = Layout.of(t)
     dense = layout.dense(t)
     assert dense.is_contiguous() and dense.numel() == layout.numel
     assert layout.numel == len({p for p in _addresses(t)})  # each distinct element once
@@ -145,4 +145,4 @@ def _addresses(t):
 
 def test_layout_refuses_overlapping_elements():
     windows = torch.randn(16).unfold(0, 4, 1)
-    assert Layout.of(windows.shape, windows.stride()) is None
+    assert Layout.of(windows) is None

@@ -165,10 +165,12 @@ def source_parameter(t: torch.Tensor) -> tuple[nn.Parameter | None, bool]:
 
 
 def _is_statistic(t: torch.Tensor, call: TrackedCall) -> bool:
-    storage = t.untyped_storage().data_ptr()
     inputs = [a for a in (*call.args, *call.kwargs.values()) if isinstance(a, torch.Tensor)]
+    if any(a is t for a in inputs):
+        return False  # the op saves one of its inputs (checked first: it is the common case, and cheap)
+    storage = t.untyped_storage().data_ptr()
     if any(a.untyped_storage().data_ptr() == storage for a in inputs):
-        return False  # the op saves one of its inputs
+        return False  # the op saves a view of one of its inputs
     # Only a larger activation makes it a statistic; a parameter's size says nothing.
     larger = (a for a in inputs if a.numel() >= t.numel() * _STATISTIC_RATIO)
     return any(source_parameter(a)[0] is None for a in larger)
@@ -229,7 +231,7 @@ def decide(t: torch.Tensor, call: TrackedCall | None, *, external: bool, min_num
         kind = Kind.INDEX
     else:
         return Decision(Kind.KEEP, min_bits)
-    layout = Layout.of(t.shape, t.stride())
+    layout = Layout.of(t)
     if layout is None or layout.numel < max(min_numel, 1):  # empty: nothing to store
         return Decision(Kind.KEEP, min_bits)
     if kind is Kind.QUANTIZE:

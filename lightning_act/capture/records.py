@@ -50,10 +50,11 @@ class Layout(NamedTuple):
     numel: int
 
     @staticmethod
-    def of(shape: tuple[int, ...], stride: tuple[int, ...]) -> Layout | None:
-        """The layout of a tensor with this shape and strides, or None if its elements overlap."""
-        if _is_contiguous(shape, stride):
-            return Layout(None, None, False, None, math.prod(shape))
+    def of(t: torch.Tensor) -> Layout | None:
+        """The layout of ``t`` (from its shape and strides), or None if its elements overlap."""
+        if t.is_contiguous():
+            return Layout(None, None, False, None, t.numel())
+        shape, stride = t.shape, t.stride()
         expand_to = None
         if any(st == 0 and sz > 1 for st, sz in zip(stride, shape)):
             expand_to = shape
