@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from lightning_act import ActivationCapture, CompressionConfig, compress_activations
-from lightning_act.capture import OUTSIDE_MODULES, _storage_region
+from lightning_act.capture import OUTSIDE_MODULES
+from lightning_act.capture.records import storage_region
 from lightning_act.policy import FixedBits
 
 G = 256
@@ -215,16 +216,16 @@ def test_probes_see_the_slots_training_stores(policy):
 def test_storage_region_of_views():
     base = torch.randn(2, 3, 4, 5)
     whole = (0, base.numel())
-    assert _storage_region(base) == whole
-    assert _storage_region(base.transpose(1, 2)) == whole
-    assert _storage_region(base.permute(3, 0, 2, 1)) == whole
-    assert _storage_region(base.flatten(1)) == whole
-    assert _storage_region(base.unsqueeze(2)) == whole  # size-1 dimensions: any stride
-    assert _storage_region(base[1]) == (60, 60)  # a leading slice is a run too
-    assert _storage_region(base[:, 1]) is None  # gaps between the rows
-    assert _storage_region(base[..., :4]) is None
-    assert _storage_region(base[:1].expand(2, 3, 4, 5)) is None  # repeated elements
-    assert _storage_region(base[0, 0, 0, 0]) == (0, 1)
+    assert storage_region(base) == whole
+    assert storage_region(base.transpose(1, 2)) == whole
+    assert storage_region(base.permute(3, 0, 2, 1)) == whole
+    assert storage_region(base.flatten(1)) == whole
+    assert storage_region(base.unsqueeze(2)) == whole  # size-1 dimensions: any stride
+    assert storage_region(base[1]) == (60, 60)  # a leading slice is a run too
+    assert storage_region(base[:, 1]) is None  # gaps between the rows
+    assert storage_region(base[..., :4]) is None
+    assert storage_region(base[:1].expand(2, 3, 4, 5)) is None  # repeated elements
+    assert storage_region(base[0, 0, 0, 0]) == (0, 1)
 
 
 def test_a_shared_storage_run_is_stored_again_for_an_op_that_needs_more_bits():

@@ -1,0 +1,603 @@
+"""The capture engine: for every tensor autograd saves for backward, ask
+:func:`~lightning_act.capture.decide.decide` how it is stored, store it at once, share one
+stored copy between the saves of one tensor, attribute it to the module that saved it, and
+account its bytes.
+
+Framework-free: :class:`ActivationCapture` works with any ``nn.Module`` (or none), and the
+Lightning callback is a thin scheduler around it. A tensor is compressed at pack time: a
+deferred copy would miss in-place changes, which autograd no longer detects once hooks are
+installed. Which op saves a tensor comes from an :class:`~lightning_act.optrack.OpTracker`
+entered for the session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from lightning_act.capture.decide import Decision, Kind, decide
+from lightning_act.capture.records import (
+    Compressed,
+    KeptRecord,
+    ProbeRecord,
+    RecastWeight,
+    RegionView,
+    Shared,
+    storage_key,
+    storage_region,
+    unpack,
+)
+from lightning_act.capture.report import OUTSIDE_MODULES, CompressionReport, ModuleMemory, Outcome, SlotMemory
+from lightning_act.codecs import (
+    DivisionCodec,
+    GroupQuantCodec,
+    IndexCodec,
+    MaskCodec,
+    SignMaskCodec,
+    StoredTensor,
+    make_codec,
+)
+from lightning_act.config import CODECS, CompressionConfig
+from lightning_act.ops import count_nonfinite_groups
+from lightning_act.optrack import OpTracker
+from lightning_act.policy import BitPolicy, FixedBits, SlotInfo
+from lightning_act.policy.estimators import GradientSensitivity, probe_sensitivities, update_weights
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class Probe:
+    """The handle :meth:`ActivationCapture.probing` yields: which slot is quantized now."""
+
+    def __init__(self, codec: GroupQuantCodec, seed: int):
+        self.codec = codec
+        self.slots: list[str] = []
+        self.noisy_slot: str | None = None
+        self.bits = 2
+        self._seed = seed
+        self._draws = 0
+
+    def quantize_only(self, slot: str | None, bits: int) -> None:
+        """Quantize ``slot`` alone at ``bits`` in the following backward passes."""
+        self.noisy_slot = slot
+        self.bits = bits
+
+    def next_seed(self) -> int:
+        self._draws += 1
+        return splitmix64(self._seed + self._draws) >> 1
+
+
+class ActivationCapture:
+    """Compresses what autograd saves while a forward runs inside :meth:`capturing`.
+
+    Args:
+        config: group size, size threshold and seed (and the bits of the default policy).
+        model: names the modules in the report (qualified names); without it, modules are
+            named by class. Its parameters and buffers are never compressed either way.
+        policy: decides each saved tensor's bits; default ``FixedBits(config.bits)``.
+
+    Example::
+
+        capture = ActivationCapture(CompressionConfig(bits=2), model)
+        with capture.capturing(inputs=(x,)):
+            loss = model(x).sum()
+        loss.backward()
+        print(capture.report.summary())
+    """
+
+    def __init__(
+        self,
+        config: CompressionConfig | None = None,
+        model: nn.Module | None = None,
+        policy: BitPolicy | None = None,
+    ):
+        self.config = config or CompressionConfig()
+        self._codecs = {name: make_codec(name, self.config.group_size, self.config.block) for name in CODECS}
+        #: The codec of float tensors that no rule assigns another.
+        self.codec = self._codecs[self.config.codec]
+        self._mask_codec = MaskCodec()
+        self._sign_codec = SignMaskCodec()
+        self._index_codec = IndexCodec()
+        self._tracker = OpTracker()
+        self.policy = policy or FixedBits(self.config.bits)
+        self.model = model
+        self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        if model is not None:
+            for name, module in model.named_modules():
+                self._names[module] = name or type(module).__name__
+        #: Every slot seen so far, with what the policy needs to allocate bits to it.
+        self.slots: dict[str, SlotInfo] = {}
+        #: Set by the caller for the sessions whose statistics feed a recalibration.
+        self.estimator: GradientSensitivity | None = None
+        self.report = CompressionReport()
+        self.total_nonfinite_groups: torch.Tensor | int = 0
+        self._sessions = 0
+        self._active = False
+        self._paused = False
+        self._probe: Probe | None = None
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._module_hooks: weakref.finalize | None = None
+        self._stack: list[str] = []
+        self._reset_session(seed=0)
+
+    # ----------------------------------------------------------------- session control
+    def _reset_session(self, seed: int) -> None:
+        self.report = CompressionReport()
+        self._seed = seed
+        self._packs = 0
+        self._slot_counts: dict[str, int] = {}
+        self._dedup: dict[tuple, Shared] = {}
+        self._saved_storages: dict[int, StorageWeakRef] = {}
+        self._kept_storages: dict[int, StorageWeakRef] = {}
+        self._external: dict[int, StorageWeakRef] = {}
+        self._stats: list[torch.Tensor] = []
+
+    def start(self, inputs: Any = None, seed: int | None = None) -> None:
+        """Start capturing: every tensor saved from now on is considered.
+
+        Args:
+            inputs: tensors (or nested lists/tuples/dicts of them) alive for the whole step,
+                such as the batch: saving them costs nothing, so they are not compressed.
+            seed: the rounding-noise stream of this session; by default, the config's seed
+                mixed with a session counter, so every step draws fresh noise.
+        """
+        if self._active:
+            raise RuntimeError("ActivationCapture.start() called twice without stop()")
+        self._sessions += 1
+        if seed is None:
+            seed = splitmix64(self.config.seed ^ splitmix64(self._sessions))
+        self._reset_session(seed)
+        self.mark_external(inputs)
+        if self.model is not None:
+            self.mark_external(list(self.model.buffers()))
+        if self._module_hooks is None:
+            self._module_hooks = _SharedModuleHooks.acquire(self)
+        _SharedModuleHooks.capturing.append(self)
+        self._tracker.__enter__()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
+        self._hooks.__enter__()
+        self._active = True
+        self._paused = False
+
+    def stop(self) -> CompressionReport:
+        """Stop capturing and return the report of this session. Safe to call twice."""
+        if not self._active:
+            return self.report
+        self._active = False
+        try:
+            self._hooks.__exit__(None, None, None)
+        finally:
+            self._tracker.__exit__(None, None, None)
+            self._hooks = None
+            _SharedModuleHooks.capturing.remove(self)
+            self._stack.clear()
+        if self._stats:
+            found = torch.stack([count_nonfinite_groups(s) for s in self._stats]).sum()
+            self.report.nonfinite_groups = found
+            self.total_nonfinite_groups = self.total_nonfinite_groups + found
+        self._stats = []
+        self._dedup = {}
+        return self.report
+
+    def close(self) -> None:
+        """Stop, and release the process-wide module hooks that the capture shares with others
+        (they are released anyway when the capture is garbage collected)."""
+        self.stop()
+        if self._module_hooks is not None:
+            self._module_hooks()
+            self._module_hooks = None
+
+    def pause(self) -> None:
+        """Let saved tensors pass through untouched (for backward) until :meth:`resume`."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def capturing(self, inputs: Any = None, seed: int | None = None) -> _CaptureContext:
+        """Context manager around :meth:`start` / :meth:`stop` (stops on exceptions too)."""
+        return _CaptureContext(self, inputs, seed)
+
+    @contextlib.contextmanager
+    def probing(self, inputs: Any = None, seed: int = 0):
+        """Probe mode for sensitivity estimation: tensors that would be compressed are kept
+        exact, and the yielded handle chooses which one slot is quantized at unpack."""
+        probe = Probe(self.codec, seed)
+        self._probe = probe
+        try:
+            with self.capturing(inputs, seed):
+                yield probe
+        finally:
+            self._probe = None
+
+    def measure_sensitivity(
+        self,
+        loss_fn: Callable[[], torch.Tensor],
+        inputs: Any = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> dict[str, dict[int, float]]:
+        """GACT's probes (:func:`~lightning_act.policy.estimators.probe_sensitivities`) on the
+        model, leaving no trace: the random state (dropout), the buffers (BatchNorm running
+        statistics), train/eval mode and ``.grad`` are as they were.
+
+        Args:
+            loss_fn: runs the forward on a small batch (a few samples) and returns the loss.
+            inputs: that batch's tensors, alive for the whole probe (not compressed).
+            optimizers: the optimizers that will apply the gradients: the variance measured
+                is then that of the raw gradient and of their update (Adam's per-element
+                scaling included, see :func:`~lightning_act.policy.estimators.update_weights`)
+                together, each relative to uniform 2 bits; without, the raw gradient's alone.
+
+        Returns:
+            Per slot, the variance it adds at each bit width.
+        """
+        if self.model is None:
+            raise ValueError("measure_sensitivity needs the model: ActivationCapture(config, model, policy)")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        weights = update_weights(optimizers, params) if optimizers else None
+        buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
+        devices = sorted({p.device for p in params if p.device.type == "cuda"}, key=str)
+        was_training = self.model.training
+        try:
+            with torch.random.fork_rng(devices=devices):
+                return probe_sensitivities(self, loss_fn, params, inputs=inputs, weights=weights)
+        finally:
+            with torch.no_grad():
+                for name, b in self.model.named_buffers():
+                    b.copy_(buffers[name])
+            self.model.train(was_training)
+
+    def calibrate(
+        self,
+        loss_fn: Callable[[], torch.Tensor],
+        inputs: Any = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> dict[str, int | None]:
+        """Probe (:meth:`measure_sensitivity`) and re-solve the adaptive policy's allocation.
+
+        Example::
+
+            capture = ActivationCapture(model=model, policy=AdaptiveBits(budget=2.0))
+            capture.calibrate(lambda: criterion(model(x[:8]), y[:8]), inputs=x[:8], optimizers=[optimizer])
+            with capture.capturing(inputs=x):
+                loss = criterion(model(x), y)
+            loss.backward()
+
+        Returns:
+            The new bits per slot (None: kept exact).
+        """
+        if not hasattr(self.policy, "update"):
+            raise TypeError(f"calibrate needs an adaptive policy (AdaptiveBits), not {type(self.policy).__name__}")
+        return self.policy.update(self.measure_sensitivity(loss_fn, inputs, optimizers), self.slots)
+
+    def mark_external(self, obj: Any) -> None:
+        """Declare tensors alive for the whole step: they are saved as they are, uncounted."""
+        if isinstance(obj, torch.Tensor):
+            ptr, ref = storage_key(obj)
+            self._external[ptr] = ref
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                self.mark_external(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                self.mark_external(value)
+        elif hasattr(obj, "to_dict"):  # torch_geometric Data / Batch
+            self.mark_external(obj.to_dict())
+
+    # ----------------------------------------------------------------- module attribution
+    def _enter_module(self, module: nn.Module) -> None:
+        self._stack.append(self._names.get(module) or type(module).__name__)
+
+    def _leave_module(self, module: nn.Module, output: Any) -> None:
+        if not self._stack:
+            return
+        name = self._stack.pop()
+        if self.estimator is not None and isinstance(output, torch.Tensor) and not self._paused:
+            self.estimator.observe_output(name, output)
+
+    # ----------------------------------------------------------------- the pack hook
+    @staticmethod
+    def _live(table: dict[int, StorageWeakRef], ptr: int) -> bool:
+        ref = table.get(ptr)
+        return ref is not None and not ref.expired()
+
+    def _account(self, module: str, t: torch.Tensor, outcome: Outcome, stored: int) -> ModuleMemory:
+        """Add one saved tensor to the report; its storage counts once however often saved."""
+        report = self.report
+        report.counts[outcome.value] = report.counts.get(outcome.value, 0) + 1
+        stats = report.modules.get(module)
+        if stats is None:
+            stats = report.modules[module] = ModuleMemory()
+        stats.tensors += 1
+        ptr, ref = storage_key(t)
+        if not self._live(self._saved_storages, ptr):
+            self._saved_storages[ptr] = ref
+            nbytes = t.untyped_storage().nbytes()
+            report.saved_bytes += nbytes
+            stats.saved_bytes += nbytes
+        if outcome.keeps_storage:
+            if self._live(self._kept_storages, ptr):
+                return stats
+            self._kept_storages[ptr] = ref
+            stored = t.untyped_storage().nbytes()
+        elif outcome.encodes:
+            stats.compressed += 1
+        report.stored_bytes += stored
+        stats.stored_bytes += stored
+        return stats
+
+    def _count_uncounted(self, outcome: Outcome) -> None:
+        """Count a tensor that stays alive anyway: it is in neither byte total."""
+        self.report.counts[outcome.value] = self.report.counts.get(outcome.value, 0) + 1
+
+    def _next_slot(self, module: str) -> str:
+        index = self._slot_counts.get(module, 0)
+        self._slot_counts[module] = index + 1
+        return f"{module}#{index}"
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if self._paused or torch._C._current_graph_task_id() != -1 or torch.compiler.is_compiling():
+            return t.detach()  # a detached alias, never t itself: returning t can leak it
+        module = self._stack[-1] if self._stack else OUTSIDE_MODULES
+        ptr = t.untyped_storage().data_ptr()
+        call = self._tracker.current_call()
+        op = None if call is None else call.name
+        decision = decide(t, call, external=self._live(self._external, ptr), min_numel=self.config.min_numel)
+        kind = decision.kind
+        if kind is Kind.PARAMETER or kind is Kind.EXTERNAL:
+            self._count_uncounted(Outcome.PARAMETER if kind is Kind.PARAMETER else Outcome.EXTERNAL)
+            return t.detach()
+        if kind is Kind.RECAST_WEIGHT:
+            self._account(module, t, Outcome.RECAST, 0)
+            return RecastWeight(decision.parameter, t)
+        if kind is Kind.CAST_PARAMETER:
+            self._account(module, t, Outcome.KEPT, 0)
+            return t.detach()
+        key, region = self._sharing_key(t, ptr, kind)
+        shared = self._shared_copy(key, t, module, op, decision)
+        if shared is not None:
+            self._account(module, t, Outcome.DEDUPLICATED, 0)
+            return shared
+        if kind is Kind.KEEP or kind is Kind.STATISTIC:
+            self._account(module, t, Outcome.KEPT if kind is Kind.KEEP else Outcome.STATISTIC, 0)
+            return t.detach()
+        dense = decision.layout.dense(t)
+        if kind is Kind.QUANTIZE:
+            saved = self._store(t, dense, decision, module, op)
+        else:
+            saved = self._store_lossless(t, dense, decision, module)
+        self._share(key, region, t, dense, saved, module, op, decision)
+        return saved
+
+    # ----------------------------------------------------------------- one copy for many saves
+    @staticmethod
+    def _sharing_key(t: torch.Tensor, ptr: int, kind: Kind) -> tuple[tuple, tuple[int, int] | None]:
+        """The key under which saves of the same tensor find one stored copy, and the run of
+        storage ``t`` fills (None if it fills none).
+
+        A view that fills a run of storage is keyed by that run, so that its other views (a
+        transpose, a reshape) find its copy; any other view by its own layout. A sign mask
+        serves only its op: the same tensor saved by another op is stored again.
+        """
+        region = storage_region(t)
+        where = region if region is not None else (t.storage_offset(), t.shape, t.stride())
+        return (ptr, where, t.dtype, t._version, kind is Kind.SIGN_MASK), region
+
+    def _shared_copy(self, key: tuple, t: torch.Tensor, module: str, op: str | None, decision: Decision) -> Any:
+        """What autograd may hold for ``t`` from an earlier save's copy, or None."""
+        cached = self._dedup.get(key)
+        if cached is None or cached.storage.expired():
+            return None
+        if cached.view == (t.shape, t.stride()):
+            return cached.saved
+        if cached.guaranteed >= self._bits_needed(module, op, decision):
+            return RegionView(cached.record, t)
+        return None
+
+    def _share(
+        self,
+        key: tuple,
+        region: tuple[int, int] | None,
+        t: torch.Tensor,
+        dense: torch.Tensor,
+        saved: Any,
+        module: str,
+        op: str | None,
+        decision: Decision,
+    ) -> None:
+        """Offer what was stored for ``t`` to the later saves of the same tensor."""
+        run_record, guaranteed = None, 0.0
+        if region is not None:
+            # Read in memory order, the stored dense tensor is the run itself: other views of
+            # it may share it, unless they need more bits than it guarantees (attention's
+            # query read through a 2-bit copy made for another op). The guarantee is the
+            # floor and rule, not the policy's bits, so which saves share a copy is the same
+            # under any policy and in probes. A pooled copy has lost detail other ops may
+            # need: it guarantees nothing.
+            run_record = saved.record if isinstance(saved, Compressed) else KeptRecord(dense)
+            if decision.kind is not Kind.QUANTIZE:
+                guaranteed = math.inf
+            elif self._codec_for(module, op, decision).unbiased:
+                guaranteed = self._bits_needed(module, op, decision)
+        storage = StorageWeakRef(t.untyped_storage())
+        self._dedup[key] = Shared(storage, (t.shape, t.stride()), saved, run_record, guaranteed)
+
+    def _bits_needed(self, module: str, op: str | None, decision: Decision) -> float:
+        """The fewest bits a copy stored for another save may have to serve this one: the
+        op's floor, or more where a rule pins this module or op to more (or to exact)."""
+        needed = decision.min_bits
+        rule = self.policy.rules.lookup(module, op)
+        if rule is not None and rule.pins_bits:
+            needed = math.inf if rule.bits is None else max(needed, rule.bits)  # None: exact
+        return needed
+
+    def _codec_for(self, module: str, op: str | None, decision: Decision):
+        rule = self.policy.rules.lookup(module, op)
+        codec = self._codecs[rule.codec] if rule is not None and rule.codec else self.codec
+        # ReLU's backward reads its output's zeros, and the next layer's record is that same one.
+        return self._codecs["quant"] if decision.keeps_zeros and not codec.keeps_zeros else codec
+
+    def _store_lossless(self, t: torch.Tensor, dense: torch.Tensor, decision: Decision, module: str) -> Compressed:
+        """A mask or indices, stored exactly in fewer bits."""
+        kind = decision.kind
+        if kind is Kind.INDEX:
+            record = self._index_codec.pack(dense, 0, 0, value_range=decision.value_range)
+        elif kind is Kind.SIGN_MASK:
+            record = self._sign_codec.pack(dense, 0, 0, divisor=decision.divisor)
+        else:
+            record = self._mask_codec.pack(dense, 0, 0)
+        self._account(module, t, Outcome.LOSSLESS, record.nbytes).codecs.add(record.codec)
+        return Compressed(record, decision.layout)
+
+    def _store(self, t: torch.Tensor, dense: torch.Tensor, decision: Decision, module: str, op: str | None) -> Any:
+        """A floating-point tensor: its slot, then its codec and bits from the rules and policy."""
+        layout = decision.layout
+        slot = self._next_slot(module)
+        info = self.slots[slot] = SlotInfo(
+            module=module,
+            shape=tuple(t.shape),
+            numel=dense.numel(),
+            groups=-(-dense.numel() // self.config.group_size),
+            element_bits=dense.element_size() * 8,
+            op=op,
+            min_bits=decision.min_bits,
+        )
+        if self._probe is not None:
+            if not self.policy.pins_bits(info):  # a rule decides its bits: nothing to measure
+                self._probe.slots.append(slot)
+            self._account(module, t, Outcome.EXACT, 0)
+            return Compressed(ProbeRecord(self._probe, slot, dense.detach()), layout)
+        bits = self.policy.bits_for(slot, info)
+        dense_bytes = dense.numel() * dense.element_size()
+        if bits is None:
+            memory = self._account(module, t, Outcome.EXACT, 0)
+            memory.bits.add(None)
+            self.report.slots[slot] = SlotMemory(module, tuple(t.shape), None, dense_bytes, dense_bytes, "stored", op)
+            return t.detach()
+        codec = self._codec_for(module, op, decision)
+        self._packs += 1
+        record = codec.pack(dense, bits, splitmix64(self._seed + self._packs) >> 1)
+        if isinstance(record, StoredTensor):  # a shape the codec does not compress (pool on 2-D)
+            self._account(module, t, Outcome.KEPT, 0)
+            return t.detach()
+        self._stats.append(record.stats)
+        if self.estimator is not None and isinstance(codec, (GroupQuantCodec, DivisionCodec)):
+            self.estimator.observe_stats(slot, module, record.stats, bits, codec.group_size)
+        memory = self._account(module, t, Outcome.COMPRESSED, record.nbytes)
+        memory.bits.add(bits)
+        memory.codecs.add(record.codec)
+        self.report.slots[slot] = SlotMemory(module, tuple(t.shape), bits, dense_bytes, record.nbytes, record.codec, op)
+        return Compressed(record, layout)
+
+
+class _SharedModuleHooks:
+    """One pair of global module hooks, registered while any capture is open, that tells the
+    capturing captures which module is running.
+
+    Registered once, not per session: Dynamo guards a compiled module on the global hooks,
+    so hooks registered anew every step would recompile it every step (and run it eagerly
+    past the recompile limit). Inside a graph being compiled the hooks do nothing, so the
+    graph has no trace of them and its saves belong to the compiled module as one.
+    """
+
+    capturing: list[ActivationCapture] = []
+    _open = 0
+    _handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    @classmethod
+    def acquire(cls, capture: ActivationCapture) -> weakref.finalize:
+        """Hold the hooks for ``capture``: calling the result, or collecting ``capture``, releases them."""
+        if cls._open == 0:
+            cls._handles = [
+                nn.modules.module.register_module_forward_pre_hook(cls._enter),
+                nn.modules.module.register_module_forward_hook(cls._leave, always_call=True),
+            ]
+        cls._open += 1
+        return weakref.finalize(capture, cls._release)
+
+    @classmethod
+    def _release(cls) -> None:
+        cls._open -= 1
+        if cls._open == 0:
+            for handle in cls._handles:
+                handle.remove()
+            cls._handles = []
+
+    @classmethod
+    def _enter(cls, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        for capture in cls.capturing:
+            capture._enter_module(module)
+
+    @classmethod
+    def _leave(cls, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        for capture in cls.capturing:
+            capture._leave_module(module, output)
+
+
+class _CaptureContext:
+    def __init__(self, capture: ActivationCapture, inputs: Any, seed: int | None, close: bool = False):
+        self.capture = capture
+        self.inputs = inputs
+        self.seed = seed
+        self.close = close
+
+    def __enter__(self) -> ActivationCapture:
+        self.capture.start(self.inputs, self.seed)
+        return self.capture
+
+    def __exit__(self, *exc) -> None:
+        if self.close:
+            self.capture.close()
+        else:
+            self.capture.stop()
+
+
+def compress_activations(
+    model: nn.Module | None = None, inputs: Any = None, config: CompressionConfig | None = None, **settings
+) -> _CaptureContext:
+    """Compress every activation saved by the forward run inside the ``with`` block.
+
+    Plain PyTorch, no Lightning needed. Backward may run inside or after the block.
+
+    Args:
+        model: names modules in the report; its parameters and buffers are never compressed.
+        inputs: tensors alive for the whole step (the batch), saved as they are.
+        config: a :class:`CompressionConfig`; or pass its fields as keywords (``bits=2``).
+
+    Returns:
+        A context manager whose ``__enter__`` gives the :class:`ActivationCapture`; after
+        the block, ``capture.report`` holds per-module and total byte figures.
+
+    Example::
+
+        with compress_activations(model, inputs=x, bits=2) as capture:
+            loss = criterion(model(x), y)
+        loss.backward()
+        print(capture.report.ratio)
+    """
+    if config is not None and settings:
+        raise ValueError(f"pass either config or keyword settings, not both (got {sorted(settings)})")
+    capture = ActivationCapture(config or CompressionConfig(**settings), model)
+    return _CaptureContext(capture, inputs, seed=None, close=True)

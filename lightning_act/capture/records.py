@@ -1,0 +1,203 @@
+"""What autograd holds instead of a saved tensor, and how a saved tensor is laid out for a codec.
+
+Each record has ``unpack()``, which gives back a tensor of the saved tensor's shape, strides,
+dtype and device; the pack hook returns one of them (or the tensor itself, detached) and the
+unpack hook calls :func:`unpack`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+
+def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """``Tensor.is_contiguous()`` from the shape and strides alone."""
+    if 0 in shape:
+        return True
+    expected = 1
+    for size, st in zip(reversed(shape), reversed(stride)):
+        if size != 1:
+            if st != expected:
+                return False
+            expected *= size
+    return True
+
+
+class Layout(NamedTuple):
+    """How to lay a saved tensor out densely for a codec, and how to give it back.
+
+    Dense tensors of any memory format are read in memory order (a permuted view, no copy)
+    and restored with their original strides; broadcast dimensions (stride 0) are stored
+    once and expanded again; other non-overlapping views (slices such as q, k, v of a fused
+    projection) are copied to a dense tensor and come back dense. A plain value computed
+    from the shape and strides alone, so one layout serves every tensor laid out alike.
+    """
+
+    #: The saved tensor's shape when it broadcasts (stride-0 dimensions stored once), else None.
+    expand_to: torch.Size | None
+    #: The dimensions in memory order, None when they already are.
+    perm: tuple[int, ...] | None
+    #: Whether the memory-order view still has gaps, so a dense copy is made.
+    copy: bool
+    #: The permutation back to the saved tensor's dimensions, None when there is none.
+    inverse_perm: tuple[int, ...] | None
+    #: The number of values stored: the saved tensor's distinct elements.
+    numel: int
+
+    @staticmethod
+    def of(t: torch.Tensor) -> Layout | None:
+        """The layout of ``t`` (from its shape and strides), or None if its elements overlap."""
+        if t.is_contiguous():
+            return Layout(None, None, False, None, t.numel())
+        shape, stride = t.shape, t.stride()
+        expand_to = None
+        if any(st == 0 and sz > 1 for st, sz in zip(stride, shape)):
+            expand_to = shape
+            shape = tuple(1 if st == 0 else sz for st, sz in zip(stride, shape))
+        perm = tuple(sorted(range(len(shape)), key=lambda d: -stride[d]))
+        copy = not _is_contiguous(tuple(shape[d] for d in perm), tuple(stride[d] for d in perm))
+        if copy:
+            extent = 1
+            for d in reversed(perm):
+                if shape[d] > 1:
+                    if stride[d] < extent:
+                        return None
+                    extent = stride[d] * shape[d]
+        identity = all(p == i for i, p in enumerate(perm))
+        inverse = None if identity else tuple(sorted(range(len(perm)), key=perm.__getitem__))
+        return Layout(expand_to, None if identity else perm, copy, inverse, math.prod(shape))
+
+    def dense(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s distinct elements as one contiguous tensor (a view where no copy is needed)."""
+        if self.expand_to is not None:
+            t = t[tuple(slice(0, 1) if st == 0 else slice(None) for st in t.stride())]
+        if self.perm is not None:
+            t = t.permute(self.perm)
+        return t.contiguous() if self.copy else t
+
+    def restore(self, dense: torch.Tensor) -> torch.Tensor:
+        t = dense if self.inverse_perm is None else dense.permute(self.inverse_perm)
+        return t if self.expand_to is None else t.expand(self.expand_to)
+
+
+def storage_region(t: torch.Tensor) -> tuple[int, int] | None:
+    """``(offset, numel)`` when ``t``'s elements fill exactly that run of its storage, else None.
+
+    Such a tensor, read in memory order, is that run; so are its other views of the same run
+    (a transpose, a reshape), which can therefore share one stored copy.
+    """
+    extent = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride != extent:
+            return None
+        extent *= size
+    return t.storage_offset(), t.numel()
+
+
+def storage_key(t: torch.Tensor) -> tuple[int, StorageWeakRef]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), StorageWeakRef(storage)
+
+
+def unpack(saved: Any) -> torch.Tensor:
+    """The unpack hook: a tensor passed through as it is, or a record's rebuilt tensor."""
+    return saved if isinstance(saved, torch.Tensor) else saved.unpack()
+
+
+class Compressed:
+    """What autograd holds instead of a compressed tensor."""
+
+    __slots__ = ("record", "layout")
+
+    def __init__(self, record, layout: Layout):
+        self.record = record
+        self.layout = layout
+
+    def unpack(self) -> torch.Tensor:
+        return self.layout.restore(self.record.unpack())
+
+
+class RegionView:
+    """What autograd holds for a view of a run of storage that another view already stored."""
+
+    __slots__ = ("record", "size", "stride")
+
+    def __init__(self, record, t: torch.Tensor):
+        self.record = record
+        self.size = t.shape
+        self.stride = t.stride()
+
+    def unpack(self) -> torch.Tensor:
+        return self.record.unpack().reshape(-1).as_strided(self.size, self.stride)
+
+
+class KeptRecord:
+    """A run of storage kept as it is, in memory order, for the other views that share it."""
+
+    __slots__ = ("dense",)
+
+    def __init__(self, dense: torch.Tensor):
+        self.dense = dense
+
+    def unpack(self) -> torch.Tensor:
+        return self.dense
+
+
+class RecastWeight:
+    """What autograd holds instead of autocast's low-precision copy of a parameter."""
+
+    __slots__ = ("param", "version", "dtype", "size", "stride", "offset")
+
+    def __init__(self, param: nn.Parameter, saved: torch.Tensor):
+        self.param = param
+        self.version = param._version
+        self.dtype = saved.dtype
+        self.size = saved.shape
+        self.stride = saved.stride()
+        self.offset = saved.storage_offset()
+
+    def unpack(self) -> torch.Tensor:
+        if self.param._version != self.version:
+            raise RuntimeError(
+                f"lightning_act: a parameter of shape {tuple(self.param.shape)} was modified in place between "
+                "forward and backward, so its autocast copy cannot be re-created exactly. Run the optimizer "
+                "step after backward, or exclude this module from compression."
+            )
+        return self.param.detach().to(self.dtype).as_strided(self.size, self.stride, self.offset)
+
+
+class ProbeRecord:
+    """Probe mode: the exact dense tensor, quantized at unpack only when its slot is probed.
+
+    ``probe`` is the :class:`~lightning_act.capture.engine.Probe` of the session.
+    """
+
+    __slots__ = ("probe", "slot", "dense")
+
+    def __init__(self, probe, slot: str, dense: torch.Tensor):
+        self.probe = probe
+        self.slot = slot
+        self.dense = dense
+
+    def unpack(self) -> torch.Tensor:
+        if self.probe.noisy_slot != self.slot:
+            return self.dense
+        return self.probe.codec.pack(self.dense, self.probe.bits, self.probe.next_seed()).unpack()
+
+
+class Shared(NamedTuple):
+    """A stored save, for the later saves of the same tensor that may share it."""
+
+    storage: StorageWeakRef
+    #: ``(shape, strides)`` of the view stored: the same view gets ``saved`` itself.
+    view: tuple
+    saved: Any
+    #: For a run of storage, its record in memory order, from which other views are restored.
+    record: Any
+    #: The fewest bits any reader gets from it; another view needing more is stored again.
+    guaranteed: float

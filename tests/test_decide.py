@@ -1,0 +1,148 @@
+"""The storage rules of :func:`lightning_act.capture.decide.decide`, on small tensors and calls
+built by hand (no capture, no hooks)."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_act.capture.decide import Decision, Kind, decide, floor_bits, source_parameter
+from lightning_act.capture.records import Layout
+from lightning_act.optrack import TrackedCall
+
+
+def call(name, *args, **kwargs):
+    return TrackedCall(name, args, kwargs)
+
+
+def decided(t, c=None, external=False, min_numel=1):
+    return decide(t, c, external=external, min_numel=min_numel)
+
+
+def test_parameters_and_their_views_pass_through():
+    p = nn.Parameter(torch.randn(6, 4))
+    assert decided(p, call("linear", torch.randn(3, 4), p)).kind is Kind.PARAMETER
+    assert decided(p.t()).kind is Kind.PARAMETER
+    assert source_parameter(p.t()) == (p, False)
+
+
+def test_autocast_copy_of_a_parameter_is_recast_and_other_casts_are_kept():
+    p = nn.Parameter(torch.randn(6, 4))
+    copy = p.to(torch.bfloat16)
+    decision = decided(copy)
+    assert decision.kind is Kind.RECAST_WEIGHT and decision.parameter is p
+    twice = copy.to(torch.float16)  # two casts: casting the parameter once does not re-create it
+    assert decided(twice).kind is Kind.CAST_PARAMETER
+    # A parameter is never compressed, not even when it is also marked alive for the step.
+    assert decided(p, external=True).kind is Kind.PARAMETER
+
+
+def test_tensors_alive_anyway_pass_through():
+    x = torch.randn(8, 16)
+    assert decided(x, call("linear", x), external=True) == Decision(Kind.EXTERNAL)
+    assert decided(x > 0, external=True).kind is Kind.EXTERNAL
+
+
+def test_masks_and_indices_are_lossless_with_the_bound_their_op_implies():
+    x = torch.randn(2, 3, 4, 6)
+    mask = decided(x > 0, call("threshold_backward_like"))
+    assert mask.kind is Kind.MASK and mask.layout.numel == x.numel()
+    indices = torch.randint(0, 24, (2, 3, 2, 3))
+    pooled = decided(indices, call("max_pool2d", x, 2))
+    assert pooled.kind is Kind.INDEX and pooled.value_range == (0, 23)
+    unbounded = decided(indices, call("gather", x, 1, indices))
+    assert unbounded.kind is Kind.INDEX and unbounded.value_range is None
+
+
+def test_ops_reading_only_a_sign_get_a_sign_mask():
+    x = torch.randn(4, 8)
+    leaky = decided(x, call("leaky_relu", x, 0.1))
+    assert leaky.kind is Kind.SIGN_MASK and leaky.divisor is None
+    noise = torch.randn(4, 8)
+    assert decided(noise, call("dropout", x, 0.25)).divisor == pytest.approx(0.75)
+    assert decided(noise, call("dropout", x, p=0.1)).divisor == pytest.approx(0.9)
+    assert decided(noise, call("dropout", x)).divisor == pytest.approx(0.5)
+
+
+def test_what_no_codec_can_store_smaller_is_kept():
+    x = torch.randn(4, 8)
+    assert decided(x, min_numel=33).kind is Kind.KEEP  # too small
+    assert decided(x, min_numel=32).kind is Kind.QUANTIZE
+    assert decided(torch.randn(0, 8), min_numel=0).kind is Kind.KEEP  # empty: nothing to store
+    assert decided(torch.randn(16).unfold(0, 4, 1)).kind is Kind.KEEP  # overlapping windows
+    assert decided(torch.randn(4, 8, dtype=torch.complex64)).kind is Kind.KEEP  # no codec
+    assert decided(torch.randn(4, 8) > 0, min_numel=64).kind is Kind.KEEP
+
+
+def test_reduction_statistics_are_kept_exact():
+    x = torch.randn(64, 32)
+    mean = x.mean(1, keepdim=True)  # computed by the op, 32 times smaller than its input
+    assert decided(mean, call("layer_norm", x, (32,))).kind is Kind.STATISTIC
+    # The op's own (small) input is an activation, not a statistic.
+    small = torch.randn(64, 2)
+    assert decided(small, call("layer_norm", small, (2,))).kind is Kind.QUANTIZE
+    # Next to a large weight only, a small tensor is an activation too.
+    weight = nn.Parameter(torch.randn(256, 2))
+    out = torch.randn(64, 2)
+    assert decided(out, call("linear", torch.randn(64, 256)[:, :2], weight)).kind is Kind.QUANTIZE
+    # Without the call nothing tells it is a statistic.
+    assert decided(mean).kind is Kind.QUANTIZE
+
+
+def test_floors_follow_how_backward_reads_the_tensor():
+    x = torch.randn(2, 4, 16, 8)
+    q, k, v = torch.randn(3, 2, 4, 16, 8).unbind(0)
+    relu = decided(x, call("relu", x))
+    assert relu.kind is Kind.QUANTIZE and relu.min_bits == 2 and relu.keeps_zeros
+    assert decided(x, call("softmax", x, -1)).min_bits == 8
+    assert decided(x, call("cross_entropy", x, None)).min_bits == 8
+    sdpa = call("scaled_dot_product_attention", q, k, v)
+    assert [decided(t, sdpa).min_bits for t in (q, k, v)] == [8, 8, 1]
+    assert decided(k, call("scaled_dot_product_attention", query=q, key=k, value=v)).min_bits == 8
+    plain = decided(x, call("conv2d", x))
+    assert plain.min_bits == 1 and not plain.keeps_zeros
+    assert floor_bits(x, None) == 1
+    # The floor holds whatever kind results: a copy shared between saves must satisfy it.
+    assert decided(x, call("relu", x), min_numel=10**6) == Decision(Kind.KEEP, 2)
+
+
+def test_a_decision_is_a_value_that_repeats_with_its_inputs():
+    """Same op, shapes and strides: equal, hashable decisions (so they can be cached per slot)."""
+    first = torch.randn(8, 16).t()
+    second = torch.randn(8, 16).t()
+    a = decided(first, call("relu", first))
+    b = decided(second, call("relu", second))
+    assert a == b and hash(a) == hash(b)
+    assert a != decided(second, call("gelu", second))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: x,
+        lambda x: x.transpose(1, 2),
+        lambda x: x.contiguous(memory_format=torch.channels_last),
+        lambda x: x[:, :, :3],  # a slice with gaps: copied dense
+        lambda x: x[:, :1].expand(2, 5, 4, 3),  # broadcast: stored once
+        lambda x: x[:, :, :3].transpose(0, 3),
+    ],
+)
+def test_layout_lays_out_densely_and_restores(make):
+    t = make(torch.randn(2, 5, 4, 3))
+    layout = Layout.of(t)
+    dense = layout.dense(t)
+    assert dense.is_contiguous() and dense.numel() == layout.numel
+    assert layout.numel == len({p for p in _addresses(t)})  # each distinct element once
+    restored = layout.restore(dense.clone())
+    assert restored.shape == t.shape and torch.equal(restored, t)
+    if not layout.copy:  # read in place: given back with the saved tensor's strides
+        assert restored.stride() == t.stride()
+
+
+def _addresses(t):
+    index = torch.cartesian_prod(*[torch.arange(s) for s in t.shape]).reshape(-1, t.dim())
+    return (t.storage_offset() + (index * torch.tensor(t.stride())).sum(1)).tolist()
+
+
+def test_layout_refuses_overlapping_elements():
+    windows = torch.randn(16).unfold(0, 4, 1)
+    assert Layout.of(windows) is None
