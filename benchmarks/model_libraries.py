@@ -422,7 +422,7 @@ def find_culprits(name: str, data: Path = DATA, seeds: int = 8, top_ops: int = 3
     rows = []
     for op in suspects:
         slots = by_op[op]
-        for slot in (slots[i * len(slots) // per_op] for i in range(min(per_op, len(slots)))):
+        for slot in dict.fromkeys(slots[i * len(slots) // per_op] for i in range(per_op)):
             memory = compressed[slot]
             rows.append({"slot": slot, "module": memory.module, "op": memory.op, "shape": list(memory.shape),
                          "codec": memory.codec, "bits": memory.bits, **_alone(workload, exact, {slot}, seeds)})

@@ -22,6 +22,7 @@ import functools
 import math
 
 import pytest
+import torch
 
 from benchmarks.model_libraries import CASES, DATA, MAX_ERROR_8BIT, MIN_UNBIASED_RATIO, Measurement, measure
 
@@ -40,17 +41,77 @@ LIBRARY_DATA = {
     "torch.nn": "tinyshakespeare/input.txt",
 }
 # One model per kind of failure, a few seconds each; the others are slow.
-FAST = frozenset({"hf_llama", "hf_bert", "torch_lstm"})
+FAST = frozenset({"hf_llama", "hf_llama_checkpointing", "hf_bert", "torch_lstm"})
 
 # What each model misses today, and why (measured with benchmarks/model_libraries.py).
 KNOWN_FAILURES = {
-    ("hf_llama_checkpointing", "unbiased"): "PLACEHOLDER",
+    ("hf_llama_checkpointing", "unbiased"): (
+        "16-seed mean 1.18x closer: the non-reentrant checkpoint saves each decoder layer's input with no op "
+        "(slot model.layers.N#0), stored at 2 bits, and the whole layer (RMSNorm, rotary, softmax, SiLU) is "
+        "recomputed from the noisy copy: it alone carries bias 0.22 of the gradient's norm"
+    ),
+    ("hf_llama_checkpointing", "kept_memory"): (
+        "5.97x: only the layer inputs, the final norm's and the head's inputs are saved, and the small tensors "
+        "kept exact (under min_numel, RMSNorm statistics) weigh more next to them"
+    ),
+    ("hf_llama_checkpointing", "peak_memory"): (
+        "1.002x of none: the peak is in the recompute inside backward, where the saves pass through "
+        "uncompressed, while the unpacked layer input is a copy on top of the stored one"
+    ),
+    ("hf_bert", "unbiased"): (
+        "16-seed mean 2.49x closer: LayerNorm's saved input (layer_norm, every LayerNorm) carries bias 0.03; "
+        "its input gradient multiplies x_hat by mean(g * x_hat), quadratic in the rounded input"
+    ),
+    ("timm_mobilenetv3_small_100", "error_8bit"): (
+        "8-bit error 0.087: batch_norm inputs of 1x1 and 2x2 maps (blocks.4.0.bn2, (16, 288, 1, 1)): a group "
+        "of 256 values spans many channels, its range is set by the widest and the narrow channels' noise is "
+        "multiplied by their 1/std; hardswish inputs add 0.036"
+    ),
+    ("timm_efficientnet_b0", "error_8bit"): (
+        "8-bit error 0.10: batch_norm inputs of small maps (blocks.5.2.bn2, (16, 1152, 1, 1)): groups span "
+        "channels of very different spread, noise is multiplied by the narrow channels' 1/std; silu adds 0.027"
+    ),
+    ("timm_vit_tiny", "error_8bit"): (
+        "8-bit error 0.013: layer_norm inputs (blocks.N.norm1/norm2, (8, 65, 192)): a 256-value group spans "
+        "two tokens of different spread and the narrow token's noise is multiplied by its rstd"
+    ),
+    ("pyg_sage", "unbiased"): (
+        "16-seed mean 1.23x closer: mean aggregation's div saves the broadcast neighbour count "
+        "(conv2.aggr_module#0, div, (2708, 64)) at 2 bits and backward divides by it: bias 0.88 alone"
+    ),
+    ("pyg_gatv2", "unbiased"): (
+        "16-seed mean 1.58x closer: PyG's scatter softmax ends in div by the per-node sum of exp "
+        "(conv1#2, div, (13264, 4)), saved at 2 bits and used as a divisor: bias 0.33 for all div saves"
+    ),
+    ("torch_lstm", "kept_memory"): (
+        "1.17x: oneDNN's uint8 workspace (8,011,776 bytes per layer, 83% of what the forward keeps) goes to "
+        "the index codec, full range, stored at 8 bits"
+    ),
+    ("torch_lstm", "peak_memory"): (
+        "1.335x of none: the unpacked workspace is a fresh copy on top of the stored one during backward"
+    ),
+    ("torch_gru", "kept_memory"): (
+        "1.29x: the CPU GRU saves per-step gate tensors (16, 128) under the one op 'gru', whose input "
+        "(the whole sequence) is more than 8x larger, so 1,022 of them are classed as reduction statistics "
+        "and kept exact"
+    ),
+    ("timm_vit_tiny", "unbiased"): (
+        "16-seed mean 2.38x closer: layer_norm inputs (blocks.0.norm2 bias 0.77, norm1 0.34); their input "
+        "gradient is quadratic in x_hat and the narrow tokens' noise is amplified by rstd"
+    ),
 }
 
 
 @functools.cache
 def _measure(name: str) -> Measurement:
-    return measure(name)
+    # One thread: models this small gain nothing from more, and on a busy machine OpenMP's
+    # waiting threads cost more than the work.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure(name)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture
