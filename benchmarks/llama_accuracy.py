@@ -1,0 +1,129 @@
+"""Validation loss of an HF ``transformers`` Llama trained with each compression setting.
+
+A small ``LlamaForCausalLM`` (RMSNorm, SwiGLU, rotary positions, grouped-query ``sdpa``
+attention; d=128, 2 layers, 4 heads, 2 key/value heads, random weights from its config)
+learns next-byte prediction on Tiny Shakespeare from scratch for a fixed number of steps
+(T=64, batch 32, AdamW lr 3e-3 with warmup and cosine decay) in a plain Lightning Trainer.
+Every setting runs the same seeds (weights, data order and rounding noise); the mean
+validation loss over the first 40 validation batches is compared with no compression's,
+whose spread over the seeds is the yardstick: compression should stay within it.
+
+    python benchmarks/llama_accuracy.py --data ../shared/data --steps 300 --seeds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from lightning_act import ActCompression
+from lightning_act.examples._schedule import warmup_cosine
+from lightning_act.examples.language import CharTextDataModule
+
+SETTINGS = {
+    "none": None,
+    "fixed 2 bits": {"bits": 2},
+    "adaptive 2 bits": {"budget": 2.0},
+    "adaptive 3 bits": {"budget": 3.0},
+}
+BLOCK_SIZE = 64
+
+
+class LlamaBytes(L.LightningModule):
+    """``LlamaForCausalLM`` over bytes (vocabulary 256), built from its config."""
+
+    def __init__(self, d_model: int = 128, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2,
+                 lr: float = 3e-3, warmup_steps: int = 20):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.save_hyperparameters()
+        config = LlamaConfig(vocab_size=256, hidden_size=d_model, intermediate_size=int(8 * d_model / 3),
+                             num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                             num_key_value_heads=n_kv_heads, max_position_embeddings=BLOCK_SIZE,
+                             attn_implementation="sdpa")
+        self.llama = LlamaForCausalLM(config)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        logits = self.llama(input_ids=inputs).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch, batch_idx):
+        return self._loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", self._loss(batch))
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                      lr=self.hparams.lr, betas=(0.9, 0.95))
+        return {"optimizer": optimizer, "lr_scheduler": warmup_cosine(optimizer, self.trainer, self.hparams.warmup_steps)}
+
+
+def train(data: Path, steps: int, settings: dict | None, recalibrate: int, seed: int) -> dict:
+    L.seed_everything(seed, workers=True)
+    model = LlamaBytes()
+    datamodule = CharTextDataModule(str(data / "tinyshakespeare" / "input.txt"), block_size=BLOCK_SIZE, batch_size=32)
+    callbacks = []
+    if settings is not None:
+        callbacks.append(ActCompression(recalibrate_every_n_steps=recalibrate, seed=seed, **settings))
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=steps, limit_val_batches=40, val_check_interval=steps,
+        check_val_every_n_epoch=None, callbacks=callbacks, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+    )
+    started = time.perf_counter()
+    trainer.fit(model, datamodule)
+    result = {"val_loss": float(trainer.callback_metrics["val/loss"]), "seconds": time.perf_counter() - started}
+    if callbacks:
+        report = callbacks[0].last_report
+        result.update(ratio=report.ratio, saved_mib=report.saved_bytes / 2**20, stored_mib=report.stored_bytes / 2**20)
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=Path("../shared/data"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--recalibrate", type=int, default=100, help="steps between recalibrations")
+    parser.add_argument("--only", nargs="*", choices=sorted(SETTINGS), help="settings to run (default: all)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds (weights, data order, rounding) per setting")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op CPU threads (one: a shared machine's busy cores slow OpenMP barriers)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = args.out / "llama_accuracy_cpu.json"
+    # Settings not run now keep their earlier results, if those came from the same schedule.
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    run = {"steps": args.steps, "recalibrate": args.recalibrate, "seeds": args.seeds, "threads": args.threads,
+           "torch": torch.__version__}
+    same_schedule = all(earlier.get(key) == value for key, value in run.items())
+    results = {**(earlier if same_schedule else {}), **run, "date": time.strftime("%Y-%m-%d"), "device": "cpu"}
+    for name, settings in SETTINGS.items():
+        if args.only and name not in args.only:
+            continue
+        runs = [train(args.data, args.steps, settings, args.recalibrate, seed) for seed in range(args.seeds)]
+        losses = [r["val_loss"] for r in runs]
+        results[name] = {"val_loss": statistics.fmean(losses),
+                         "val_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0, "runs": runs}
+        base = results.get("none", {}).get("val_loss")
+        change = f" ({100 * (results[name]['val_loss'] / base - 1):+.1f}% vs none)" if base else ""
+        print(f"{name:18s} val loss {results[name]['val_loss']:.4f} +- {results[name]['val_loss_std']:.4f}{change}"
+              f"  per seed {[round(v, 4) for v in losses]}  ratio {runs[0].get('ratio', 1.0):.2f}x"
+              f"  {sum(r['seconds'] for r in runs):.0f} s", flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

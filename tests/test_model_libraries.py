@@ -1,0 +1,181 @@
+"""Models from the public model libraries, through the public capture API.
+
+HF ``transformers``, ``timm``, PyG and ``torch.nn`` RNNs, built from their configs (random
+weights, small sizes, CPU, fp32) on real data. For each model:
+
+* it runs: forward and backward under the capture, a finite gradient;
+* at 8 bits the weight gradient is within 1e-2 (relative L2) of uncompressed training's;
+* at 2 bits it is unbiased: the mean gradient of 16 rounding seeds is at least 3x closer to
+  the exact one than one seed's (sqrt(16) = 4x for an unbiased estimate, 1x for pure bias);
+* the forward keeps at least 6x less memory at 2 bits, measured by the profiler (the saved
+  tensors of every model here are mostly fp32 activations, 15x smaller at 2 bits);
+* the peak of forward + backward is never above no compression's.
+
+The measurement is ``benchmarks/model_libraries.py``'s (its ``find_culprits`` names the saved
+tensors behind a failure). A criterion a model misses today is an expected failure (strict:
+it fails the suite once fixed, so the mark goes) whose reason is the measured cause.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from benchmarks.model_libraries import (
+    CASES,
+    DATA,
+    MAX_ERROR_8BIT,
+    MIN_KEPT_RATIO,
+    MIN_UNBIASED_RATIO,
+    Measurement,
+    measure,
+)
+
+LIBRARY_MODULES = {
+    "transformers": ("transformers",),
+    "transformers+peft": ("transformers", "peft"),
+    "timm": ("timm",),
+    "torch_geometric": ("torch_geometric",),
+    "torch.nn": (),
+}
+LIBRARY_DATA = {
+    "transformers": "tinyshakespeare/input.txt",
+    "transformers+peft": "tinyshakespeare/input.txt",
+    "timm": "cifar10",
+    "torch_geometric": "planetoid/Cora/raw",
+    "torch.nn": "tinyshakespeare/input.txt",
+}
+# Four models, about 17 s together on a busy 2-core CPU; the others are slow.
+FAST = frozenset({"hf_llama", "hf_llama_checkpointing", "hf_bert", "torch_lstm"})
+
+# What each model misses today, and why (measured with benchmarks/model_libraries.py).
+KNOWN_FAILURES = {
+    ("hf_llama_checkpointing", "unbiased"): (
+        "16-seed mean 1.18x closer: the non-reentrant checkpoint saves each decoder layer's input with no op "
+        "(slot model.layers.N#0), stored at 2 bits, and the whole layer (RMSNorm, rotary, softmax, SiLU) is "
+        "recomputed from the noisy copy: it alone carries bias 0.22 of the gradient's norm"
+    ),
+    ("hf_llama_checkpointing", "kept_memory"): (
+        "5.97x: checkpointing leaves few saved tensors, and of the 0.17 MiB stored 0.13 MiB are "
+        "cross_entropy's log-probabilities (512, 256) held at their 8-bit floor"
+    ),
+    ("hf_llama_checkpointing", "peak_memory"): (
+        "1.002x of none, by about one layer input's 2-bit record (8,704 bytes): at the peak, while a layer "
+        "is recomputed in backward, its stored record is alive next to the decoded full copy"
+    ),
+    ("hf_bert", "unbiased"): (
+        "16-seed mean 2.49x closer: LayerNorm's saved input (layer_norm, every LayerNorm) carries bias 0.03; "
+        "its input gradient multiplies x_hat by mean(g * x_hat), quadratic in the rounded input"
+    ),
+    ("timm_mobilenetv3_small_100", "error_8bit"): (
+        "8-bit error 0.087: batch_norm inputs, worst on 1x1 and 2x2 maps (blocks.4.0.bn2, (16, 288, 1, 1): "
+        "a 256-value group spans 256 channels of one sample) whose noise backward scales by each channel's "
+        "1/std (all batch_norm saves alone: 0.10 at 8 bits); hardswish inputs alone 0.036"
+    ),
+    ("timm_efficientnet_b0", "error_8bit"): (
+        "8-bit error 0.10: batch_norm inputs (all alone: 0.107 at 8 bits; blocks.5.2.bn2, (16, 1152, 1, 1) "
+        "alone 0.043), whose noise backward scales by each channel's 1/std; silu inputs alone 0.027"
+    ),
+    ("timm_vit_tiny", "error_8bit"): (
+        "8-bit error 0.013: layer_norm inputs (blocks.N.norm1/norm2, (8, 65, 192); all alone 0.011 at 8 bits), "
+        "whose noise backward scales by each token's rstd; a 256-value group spans two tokens"
+    ),
+    ("timm_vit_tiny", "unbiased"): (
+        "16-seed mean 2.38x closer: layer_norm inputs (blocks.0.norm2 alone bias 0.77, norm1 0.34); "
+        "LayerNorm's input gradient has x_hat * mean(g * x_hat), quadratic in the rounded input"
+    ),
+    ("pyg_sage", "unbiased"): (
+        "16-seed mean 1.23x closer: mean aggregation's div saves the broadcast neighbour count "
+        "(conv2.aggr_module#0, div, (2708, 64)) at 2 bits and backward divides by it: bias 0.88 alone"
+    ),
+    ("pyg_gatv2", "unbiased"): (
+        "16-seed mean 1.58x closer: PyG's scatter softmax ends in div by the per-node sum of exp "
+        "(conv2#2, div, (13264, 1): bias 0.30 alone; conv1#2, (13264, 4): 0.13), saved at 2 bits and used "
+        "as a divisor"
+    ),
+    ("torch_lstm", "kept_memory"): (
+        "1.17x: oneDNN's uint8 workspace (8,011,776 bytes per layer, 83% of what the forward keeps) goes to "
+        "the index codec, full range, stored at 8 bits"
+    ),
+    ("torch_lstm", "peak_memory"): (
+        "1.335x of none (+7.2 MiB, about one layer's 7.6 MiB workspace): the decoded workspace is a new "
+        "tensor while its stored copy is still alive"
+    ),
+    ("torch_gru", "kept_memory"): (
+        "1.29x: the CPU GRU saves per-step gate tensors (16, 128) under the one op 'gru', whose input "
+        "(the whole sequence) is more than 8x larger, so 1,022 of them are classed as reduction statistics "
+        "and kept exact"
+    ),
+}
+
+
+@functools.cache
+def _measure(name: str) -> Measurement:
+    # One thread: models this small gain nothing from more, and on a busy machine OpenMP's
+    # waiting threads cost more than the work.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure(name)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def measured(request) -> Measurement:
+    name = request.param
+    library = CASES[name].library
+    for module in LIBRARY_MODULES[library]:
+        pytest.importorskip(module)
+    if not (DATA / LIBRARY_DATA[library]).exists():
+        pytest.skip(f"needs {DATA / LIBRARY_DATA[library]}")
+    return _measure(name)
+
+
+def _cases(criterion: str):
+    for name in CASES:
+        marks = [] if name in FAST else [pytest.mark.slow]
+        reason = KNOWN_FAILURES.get((name, criterion))
+        if reason is not None:
+            marks.append(pytest.mark.xfail(strict=True, reason=reason))
+        yield pytest.param(name, marks=marks, id=name)
+
+
+def _criterion(name: str):
+    return pytest.mark.parametrize("measured", list(_cases(name)), indirect=True)
+
+
+@_criterion("runs")
+def test_runs(measured):
+    values = (measured.error_8bit, measured.error_2bit, measured.mean_error_2bit)
+    assert all(math.isfinite(v) for v in values), values
+    assert measured.stored_bytes > 0, "nothing was compressed"
+
+
+@_criterion("error_8bit")
+def test_8bit_gradient_error(measured):
+    assert measured.error_8bit < MAX_ERROR_8BIT
+
+
+@_criterion("unbiased")
+def test_2bit_gradient_unbiased(measured):
+    assert measured.unbiased_ratio >= MIN_UNBIASED_RATIO, (
+        f"one seed {measured.error_2bit:.4g}, mean of {measured.seeds} seeds {measured.mean_error_2bit:.4g}"
+    )
+
+
+@_criterion("kept_memory")
+def test_kept_memory(measured):
+    assert measured.kept_ratio >= MIN_KEPT_RATIO, (
+        f"{measured.kept_bytes_none / 2**20:.2f} MiB -> {measured.kept_bytes_2bit / 2**20:.2f} MiB"
+    )
+
+
+@_criterion("peak_memory")
+def test_peak_memory_not_above_none(measured):
+    assert measured.peak_bytes_2bit <= measured.peak_bytes_none, (
+        f"{measured.peak_bytes_none / 2**20:.2f} MiB -> {measured.peak_bytes_2bit / 2**20:.2f} MiB"
+    )
