@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import shutil
 import sys
 from pathlib import Path
 
@@ -33,6 +34,16 @@ def test_two_environments_with_one_torch_version_build_apart(monkeypatch):
     assert len({here, other_venv, other_torch}) == 3
     for path in (other_venv, other_torch):
         assert path.parent == here.parent and path.name.startswith(torch.__version__)
+
+
+def test_two_checkouts_with_the_same_sources_build_apart(monkeypatch, tmp_path):
+    # ninja's build file names the sources by absolute path: a shared folder would rebuild.
+    here = extension._build_dir("cpu", SOURCES, ["-O3"])
+    copy = tmp_path / "csrc"
+    shutil.copytree(extension._SOURCE_DIR, copy)
+    monkeypatch.setattr(extension, "_SOURCE_DIR", copy)
+    there = extension._build_dir("cpu", [copy / path.name for path in SOURCES], ["-O3"])
+    assert there != here and there.parent == here.parent
 
 
 def test_cuda_builds_for_other_architectures_build_apart(monkeypatch):

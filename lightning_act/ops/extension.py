@@ -14,9 +14,9 @@ Environment variables:
 * ``LIGHTNING_ACT_BUILD_DIR``: root of the build cache, ``~/.cache/lightning_act`` by
   default. Each build goes to a subfolder named after the torch version, the Python
   version, the device type and a hash of the sources, the flags, the CUDA architectures and
-  the Python environment (``sys.prefix`` and torch's install folder), so changing any of
-  them triggers a fresh build instead of reusing a stale library, and two virtual
-  environments never take turns rebuilding each other's kernels.
+  the Python environment (``sys.prefix`` and torch's install folder) and the source folder,
+  so changing any of them triggers a fresh build instead of reusing a stale library, and two
+  virtual environments or checkouts never take turns rebuilding each other's kernels.
 * ``TORCH_CUDA_ARCH_LIST``: the CUDA architectures to build for, e.g. ``9.0``; by default
   those of the visible GPUs.
 
@@ -230,8 +230,10 @@ def _build_dir(device_type: str, sources: list[Path], flags: list[str]) -> Path:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     # The install, so that two environments with the same torch version keep their own
-    # builds; and, for CUDA, the architectures torch's build adds to the flags.
-    environment = [*flags, sys.prefix, str(Path(torch.__file__).resolve().parent)]
+    # builds; the source folder, since ninja's build file names the sources by absolute path
+    # (two checkouts sharing one folder would rebuild each other's kernels at every load);
+    # and, for CUDA, the architectures torch's build adds to the flags.
+    environment = [*flags, sys.prefix, str(Path(torch.__file__).resolve().parent), str(_SOURCE_DIR.resolve())]
     if device_type == "cuda":
         environment.append(os.environ.get("TORCH_CUDA_ARCH_LIST") or _visible_architectures())
     digest.update("\0".join(environment).encode())
