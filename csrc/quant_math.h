@@ -192,26 +192,40 @@ LIGHTNING_ACT_HD GroupParams group_params(const GroupRange& range, int bits) {
   return params;
 }
 
-// The code of one value of a group, before packing.
+// The code of a value whose scaled level (its offset in steps plus the noise) is `level`.
 //
 // The reference floors q + u and then clamps to [0, max_level]. Clamping first and then
 // truncating toward zero gives the same integer (the bounds are integers, and every value
 // below 0 floors to a negative code that clamps to 0) without a floor, and keeps the
 // float-to-int conversion in range. A NaN q, reachable only when a group's range overflows
-// float32, becomes code 0 like the reference's float-to-uint8 conversion.
+// float32, becomes code 0 like the reference's float-to-uint8 conversion. Selects rather
+// than branches, so that loops over a group vectorise.
+LIGHTNING_ACT_HD uint32_t code_of_level(float level, float value, float max_level, bool zero_preserving) {
+  level = level > 0.0f ? level : 0.0f;
+  level = level < max_level ? level : max_level;
+  const uint32_t code = static_cast<uint32_t>(static_cast<int32_t>(level));
+  const uint32_t shifted = value > 0.0f ? code + 1u : 0u;
+  return zero_preserving ? shifted : code;
+}
+
+// The code of one value of a finite group whose step is positive, the group's grid passed
+// as plain values: the form of encode_value that CPU loops over a group vectorise.
+LIGHTNING_ACT_HD uint32_t encode_with_step(float value, float low, float step, float max_level, bool zero_preserving,
+                                           float noise) {
+  return code_of_level(add_rn(div_rn(sub_rn(value, low), step), noise), value, max_level, zero_preserving);
+}
+
+// The code of one value of a group, before packing.
 LIGHTNING_ACT_HD uint32_t encode_value(float value, const GroupParams& params, float noise) {
   if (!params.finite) {
     return 0;
   }
-  const float scaled = params.step > 0.0f ? div_rn(sub_rn(value, params.low), params.step) : 0.0f;
-  float level = add_rn(scaled, noise);
-  level = level > 0.0f ? level : 0.0f;
-  level = level < params.max_level ? level : params.max_level;
-  const uint32_t code = static_cast<uint32_t>(static_cast<int32_t>(level));
-  if (params.zero_preserving) {
-    return value > 0.0f ? code + 1u : 0u;
+  if (params.step > 0.0f) {
+    return encode_with_step(value, params.low, params.step, params.max_level, params.zero_preserving, noise);
   }
-  return code;
+  // A zero step (every value equal, or one positive value besides zeros): the scaled
+  // offset is 0.
+  return code_of_level(add_rn(0.0f, noise), value, params.max_level, params.zero_preserving);
 }
 
 // A group's grid as unpack_dequantize reads it back from its two bfloat16 words.
@@ -229,12 +243,13 @@ LIGHTNING_ACT_HD DecodeParams decode_params(uint16_t stats_low, uint16_t stats_s
   return params;
 }
 
+// Computes the value and then clears its bits for a zero-preserving group's code 0 (+0.0),
+// instead of branching, so that loops over a group vectorise.
 LIGHTNING_ACT_HD float decode_value(uint32_t code, const DecodeParams& params) {
-  if (params.zero_preserving && code == 0) {
-    return 0.0f;
-  }
   const float level = sub_rn(static_cast<float>(code), params.zero_preserving ? 1.0f : 0.0f);
-  return add_rn(params.low, mul_rn(level, params.step));
+  const float decoded = add_rn(params.low, mul_rn(level, params.step));
+  const uint32_t keep = params.zero_preserving && code == 0 ? 0u : ~0u;
+  return bits_float(float_bits(decoded) & keep);
 }
 
 }  // namespace lightning_act
