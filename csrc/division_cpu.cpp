@@ -131,13 +131,13 @@ struct ReconstructedGroups {
   int64_t width;
   UpsampledRow upsampled;
 
-  LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t start, int64_t count, const float* residuals) {
+  template <typename Decoded>
+  LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t start, int64_t count, const Decoded& residual) {
     for_each_row_run(start, count, width, [&](int64_t row, int64_t column, int64_t offset, int64_t length) {
       const float* means = upsampled.of_row(row) + column;
-      const float* decoded = residuals + offset;
       scalar_t* values = output + start + offset;
       for (int64_t i = 0; i < length; ++i) {
-        values[i] = static_cast<scalar_t>(add_rn(means[i], decoded[i]));
+        values[i] = static_cast<scalar_t>(add_rn(means[i], residual(offset + i)));
       }
     });
   }

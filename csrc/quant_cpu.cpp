@@ -33,9 +33,11 @@ template <typename scalar_t>
 struct OutputGroups {
   scalar_t* output;
 
-  LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t start, int64_t count, const float* values) const {
+  template <typename Decoded>
+  LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t start, int64_t count, const Decoded& decoded) const {
+    scalar_t* values = output + start;
     for (int64_t i = 0; i < count; ++i) {
-      output[start + i] = static_cast<scalar_t>(values[i]);
+      values[i] = static_cast<scalar_t>(decoded(i));
     }
   }
 };

@@ -7,7 +7,7 @@
 // or not, zero step or not) are decided once per group, outside the loops. A group is encoded
 // in two passes over its float32 values, one gathering its range and one computing its codes
 // into a byte buffer, then packed; decoding unpacks the bytes into that buffer and decodes
-// them. The per-value math is quant_math.h's, shared with the CUDA kernels, so both produce
+// them as it stores them. The per-value math is quant_math.h's, shared with the CUDA kernels, so both produce
 // the same bits.
 //
 // The build targets baseline x86-64, which every user machine runs. The loops are compiled a
@@ -21,8 +21,9 @@
 // * a GroupSource, `const float* operator()(int64_t start, int64_t count, float* buffer)`,
 //   returns the values [start, start + count): written to `buffer` (room for a group), or
 //   where they already are;
-// * a GroupSink, `void operator()(int64_t start, int64_t count, const float* values)`,
-//   stores the decoded values [start, start + count).
+// * a GroupSink, `void operator()(int64_t start, int64_t count, const Decoded& decoded)`,
+//   stores the values [start, start + count), where value start + i is decoded(i), a float:
+//   decoding runs inside the sink's store loop, in one pass.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -31,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "quant_args.h"
@@ -166,8 +168,9 @@ LIGHTNING_ACT_ALWAYS_INLINE void unpack_codes(const uint8_t* packed, int64_t byt
 LIGHTNING_ACT_ALWAYS_INLINE GroupRange range_of(const float* values, int64_t count) {
   GroupRange range;
   for (int64_t i = 0; i < count; ++i) {
-    range.add(values[i]);
+    range.add_ordered(float_bits(values[i]));
   }
+  range.nonfinite = range.keys_reach_nonfinite();
   return range;
 }
 
@@ -180,22 +183,14 @@ LIGHTNING_ACT_ALWAYS_INLINE void encode_codes(const float* values, int64_t count
   const float low = params.low;
   const float step = params.step;
   const float max_level = params.max_level;
+  const uint32_t noise_key = run_key(key, first_index);
   const uint32_t n = static_cast<uint32_t>(count);  // a 32-bit index vectorises with 32-bit lanes
   for (uint32_t i = 0; i < n; ++i) {
-    const float noise = uniform_noise(key, first_index + i);
+    const float noise = run_noise(noise_key, first_index + i);
     const uint32_t code = kPositiveStep
                               ? encode_with_step(values[i], low, step, max_level, kZeroPreserving, noise)
                               : code_of_level(add_rn(0.0f, noise), values[i], max_level, kZeroPreserving);
     codes[i] = static_cast<uint8_t>(code);
-  }
-}
-
-template <bool kZeroPreserving>
-LIGHTNING_ACT_ALWAYS_INLINE void decode_codes(const uint8_t* codes, int64_t count, DecodeParams params,
-                                              float* values) {
-  params.zero_preserving = kZeroPreserving;
-  for (int64_t i = 0; i < count; ++i) {
-    values[i] = decode_value(codes[i], params);
   }
 }
 
@@ -266,24 +261,24 @@ struct DecodeTask {
   int64_t group_size;
   const uint8_t* code_bytes;
   const uint16_t* stats_words;
-  std::vector<float> buffer;
   std::vector<uint8_t> codes;
 
   LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t first_group, int64_t last_group) {
     constexpr int kPerByte = 8 / kBits;
-    buffer.resize(group_size);
     codes.resize(group_size);
+    const uint8_t* const group_codes = codes.data();
     for (int64_t group = first_group; group < last_group; ++group) {
       const DecodeParams params = decode_params(stats_words[2 * group], stats_words[2 * group + 1]);
       const int64_t start = group * group_size;
       const int64_t valid = std::min(group_size, numel - start);
       unpack_codes<kBits>(code_bytes + start * kBits / 8, (valid + kPerByte - 1) / kPerByte, codes.data());
-      if (params.zero_preserving) {
-        decode_codes<true>(codes.data(), valid, params, buffer.data());
-      } else {
-        decode_codes<false>(codes.data(), valid, params, buffer.data());
-      }
-      sink(start, valid, buffer.data());
+      // The sink's loop gets decode_value with the group's kind as a constant: no branch.
+      const auto store = [&](auto zero_preserving) {
+        DecodeParams group_params = params;
+        group_params.zero_preserving = decltype(zero_preserving)::value;
+        sink(start, valid, [group_codes, group_params](int64_t i) { return decode_value(group_codes[i], group_params); });
+      };
+      params.zero_preserving ? store(std::true_type{}) : store(std::false_type{});
     }
   }
 };
@@ -296,7 +291,7 @@ void decode_groups(const at::Tensor& codes, const at::Tensor& stats, int64_t num
   const uint16_t* const stats_words = reinterpret_cast<const uint16_t*>(stats.const_data_ptr<at::BFloat16>());
   dispatch_bits(bits, [&](auto bits_constant) {
     constexpr int kBits = decltype(bits_constant)::value;
-    const DecodeTask<kBits, GroupSink> task{sink, numel, group_size, code_bytes, stats_words, {}, {}};
+    const DecodeTask<kBits, GroupSink> task{sink, numel, group_size, code_bytes, stats_words, {}};
     parallel_tasks(num_groups(numel, group_size), group_size, task);
   });
 }

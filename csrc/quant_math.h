@@ -75,9 +75,8 @@ LIGHTNING_ACT_HD float div_rn(float a, float b) {
 #endif
 }
 
-// A bijective 32-bit hash ("lowbias32"): reference.mix32.
-LIGHTNING_ACT_HD uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
+// mix32 without its first step, x ^= x >> 16.
+LIGHTNING_ACT_HD uint32_t mix32_tail(uint32_t x) {
   x *= 0x7FEB352Du;
   x ^= x >> 15;
   x *= 0x846CA68Bu;
@@ -85,18 +84,32 @@ LIGHTNING_ACT_HD uint32_t mix32(uint32_t x) {
   return x;
 }
 
+// A bijective 32-bit hash ("lowbias32"): reference.mix32.
+LIGHTNING_ACT_HD uint32_t mix32(uint32_t x) { return mix32_tail(x ^ (x >> 16)); }
+
 // Key of the noise stream of the elements whose index has high half `index_high`
 // (reference._stream_key). A group never straddles two streams: group sizes divide 2**32.
 LIGHTNING_ACT_HD uint32_t stream_key(uint64_t seed, uint32_t index_high) {
   return mix32(static_cast<uint32_t>(seed) ^ mix32(static_cast<uint32_t>(seed >> 32) ^ index_high));
 }
 
-// Rounding noise u in [0, 1) of element `index` (reference.uniform_noise); exact in float32:
-// 24 random bits times a power of two.
-LIGHTNING_ACT_HD float uniform_noise(uint32_t key, uint64_t index) {
-  const uint32_t random_bits = mix32(static_cast<uint32_t>(index) ^ key) >> 8;
-  return mul_rn(static_cast<float>(static_cast<int32_t>(random_bits)), 5.9604644775390625e-8f);  // 2**-24
+// The noise u in [0, 1) a hash gives: exact in float32, 24 random bits times a power of two.
+LIGHTNING_ACT_HD float noise_of_hash(uint32_t hash) {
+  return mul_rn(static_cast<float>(static_cast<int32_t>(hash >> 8)), 5.9604644775390625e-8f);  // 2**-24
 }
+
+// Rounding noise u in [0, 1) of element `index` (reference.uniform_noise).
+LIGHTNING_ACT_HD float uniform_noise(uint32_t key, uint64_t index) {
+  return noise_of_hash(mix32(static_cast<uint32_t>(index) ^ key));
+}
+
+// uniform_noise over a run of elements whose indices share their bits 16..31, such as a
+// group (group sizes divide 65536 and groups start at multiples of their size). Then
+// x = index ^ key has the same bits 16..31 throughout, so mix32's first step xors every x
+// with the same word: run_key folds that word into the key once and run_noise skips the step.
+LIGHTNING_ACT_HD uint32_t run_key(uint32_t key, uint32_t first_index) { return key ^ ((first_index ^ key) >> 16); }
+
+LIGHTNING_ACT_HD float run_noise(uint32_t run_key, uint32_t index) { return noise_of_hash(mix32_tail(index ^ run_key)); }
 
 // float32 bits rounded to a bfloat16 value (still as float32 bits) toward -inf or +inf.
 LIGHTNING_ACT_HD uint32_t bf16_bits_rounded(uint32_t bits, bool upward) {
@@ -128,6 +141,13 @@ struct GroupRange {
 
   LIGHTNING_ACT_HD void add(float value) {
     const uint32_t bits = float_bits(value);
+    add_ordered(bits);
+    nonfinite |= static_cast<uint32_t>((bits & kExponentBits) == kExponentBits);
+  }
+
+  // add without the test for NaN and Inf: a loop that gathers a group this way sets
+  // `nonfinite` once at the end, from the extreme keys.
+  LIGHTNING_ACT_HD void add_ordered(uint32_t bits) {
     const int32_t key = order_key(bits);
     min_key = key < min_key ? key : min_key;
     max_key = key > max_key ? key : max_key;
@@ -135,7 +155,12 @@ struct GroupRange {
     // unsigned order is their numeric order.
     const uint32_t positive_bits = static_cast<int32_t>(bits) > 0 ? bits : kExponentBits;
     min_positive_bits = positive_bits < min_positive_bits ? positive_bits : min_positive_bits;
-    nonfinite |= static_cast<uint32_t>((bits & kExponentBits) == kExponentBits);
+  }
+
+  // Whether the keys from min_key to max_key reach NaN or Inf: every finite value's key lies
+  // strictly between those of -inf and +inf, and every NaN's beyond them.
+  LIGHTNING_ACT_HD bool keys_reach_nonfinite() const {
+    return max_key >= order_key(kExponentBits) || min_key <= order_key(kSignBit | kExponentBits);
   }
 
   LIGHTNING_ACT_HD void merge(int32_t other_min_key, int32_t other_max_key, uint32_t other_min_positive_bits,
