@@ -1,7 +1,7 @@
 // DIVISION's ops (division_pack / division_unpack): argument checks and the per-tile math
 // shared by the CPU and CUDA kernels.
 //
-// The storage format and the pure-PyTorch oracle live in lightning_act/ops/division.py. The
+// The storage format and the pure-PyTorch oracle live in lightning_act/ops/reference.py. The
 // residual is quantized with the per-value math of quant_math.h, so a DIVISION residual is
 // stored exactly as quantize_pack stores a float32 tensor.
 #pragma once
@@ -79,7 +79,7 @@ struct TileCursor {
   }
 };
 
-// The float32 mean of one tile (reference: ops/division.py _tile_means): the sum starts at
+// The float32 mean of one tile (reference: ops/reference.py _tile_means): the sum starts at
 // +0.0 and adds the tile's real pixels row by row, left to right, then divides once.
 template <typename scalar_t>
 LIGHTNING_ACT_HD float tile_mean(const scalar_t* plane, const TileGeometry& geometry, int64_t tile_row,
@@ -140,7 +140,7 @@ inline void check_division_unpack_args(const at::Tensor& lfc, const at::Tensor& 
 }
 
 // Checks division_pack's arguments and allocates its outputs (lfc, codes, stats),
-// uninitialized: the C++ side of the op's fake in lightning_act/ops/division.py.
+// uninitialized: the C++ side of the op's fake in lightning_act/ops/schemas.py.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> division_pack_outputs(const at::Tensor& input, int64_t block_h,
                                                                             int64_t block_w, int64_t bits,
                                                                             int64_t group_size,
