@@ -1,7 +1,7 @@
 // DIVISION's ops (division_pack / division_unpack): argument checks and output allocation
 // shared by the CPU and CUDA kernels; the per-tile math is in division_math.h.
 //
-// The storage format and the pure-PyTorch oracle live in lightning_act/ops/division.py. The
+// The storage format and the pure-PyTorch oracle live in lightning_act/ops/reference.py. The
 // residual is quantized with the per-value math of quant_math.h, so a DIVISION residual is
 // stored exactly as quantize_pack stores a float32 tensor.
 #pragma once
@@ -57,7 +57,7 @@ inline void check_division_unpack_args(const at::Tensor& lfc, const at::Tensor& 
 }
 
 // Checks division_pack's arguments and allocates its outputs (lfc, codes, stats),
-// uninitialized: the C++ side of the op's fake in lightning_act/ops/division.py.
+// uninitialized: the C++ side of the op's fake in lightning_act/ops/schemas.py.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> division_pack_outputs(const at::Tensor& input, int64_t block_h,
                                                                             int64_t block_w, int64_t bits,
                                                                             int64_t group_size,

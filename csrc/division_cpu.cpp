@@ -4,10 +4,15 @@
 // which quant_cpu.h's group encoder encodes the way it encodes quantize_pack's. Groups need
 // LFC values of tiles that other tasks of the first pass computed, hence two passes rather
 // than one. Unpacking adds the LFC back to the residuals quant_cpu.h's decoder reads.
+//
+// Both passes over the elements walk them row by row against the row's upsampled LFC (each
+// column's tile mean), so the subtraction and the addition are plain vectorised loops.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "division.h"
 #include "quant_args.h"
@@ -17,35 +22,104 @@
 namespace lightning_act {
 namespace {
 
+// One parallel task of the tile means: tile rows [first, last) of all planes. Each tile is
+// summed row by row, left to right, as tile_mean (division.h) sums it; the tiles of a tile
+// row are summed side by side, which overlaps their additions without reordering any.
 template <typename scalar_t, typename lfc_t>
-void tile_means_kernel(const scalar_t* input, int64_t planes, const TileGeometry& geometry, lfc_t* lfc) {
-  const int64_t tile_rows = planes * geometry.tiles_h;
-  const int64_t values_per_tile_row = geometry.block_h * geometry.width;
-  at::parallel_for(0, tile_rows, grain(values_per_tile_row), [&](int64_t first, int64_t last) {
+struct TileMeansTask {
+  const scalar_t* input;
+  TileGeometry geometry;
+  lfc_t* lfc;
+  std::vector<float> totals;
+
+  LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t first, int64_t last) {
+    const int64_t full_tiles = geometry.width / geometry.block_w;
+    const int64_t edge_columns = geometry.width - full_tiles * geometry.block_w;
+    totals.resize(geometry.tiles_w);
+    float* const sums = totals.data();
     for (int64_t tile_row = first; tile_row < last; ++tile_row) {
       const int64_t plane = tile_row / geometry.tiles_h;
-      const scalar_t* plane_values = input + plane * geometry.height * geometry.width;
-      for (int64_t tile_column = 0; tile_column < geometry.tiles_w; ++tile_column) {
-        const float mean = tile_mean(plane_values, geometry, tile_row % geometry.tiles_h, tile_column);
-        lfc[tile_row * geometry.tiles_w + tile_column] = static_cast<lfc_t>(mean);
+      const int64_t first_row = (tile_row - plane * geometry.tiles_h) * geometry.block_h;
+      const int64_t rows = std::min(geometry.block_h, geometry.height - first_row);
+      std::fill(totals.begin(), totals.end(), 0.0f);
+      for (int64_t r = 0; r < rows; ++r) {
+        const scalar_t* line = input + (plane * geometry.height + first_row + r) * geometry.width;
+        for (int64_t c = 0; c < geometry.block_w; ++c) {
+          for (int64_t t = 0; t < full_tiles; ++t) {
+            sums[t] = add_rn(sums[t], static_cast<float>(line[t * geometry.block_w + c]));
+          }
+        }
+        for (int64_t c = 0; c < edge_columns; ++c) {
+          sums[full_tiles] = add_rn(sums[full_tiles], static_cast<float>(line[full_tiles * geometry.block_w + c]));
+        }
+      }
+      for (int64_t t = 0; t < geometry.tiles_w; ++t) {
+        const int64_t columns = t < full_tiles ? geometry.block_w : edge_columns;
+        lfc[tile_row * geometry.tiles_w + t] = static_cast<lfc_t>(div_rn(sums[t], static_cast<float>(rows * columns)));
       }
     }
-  });
+  }
+};
+
+// The float32 LFC of one row of the [planes, height, width] tensor (rows numbered across
+// planes), upsampled to the row's width. Rebuilt only when a row of another tile row is
+// asked for, so the rows of a tile row share one build.
+class UpsampledRow {
+ public:
+  UpsampledRow(const float* lfc, const TileGeometry& geometry) : lfc_(lfc), geometry_(geometry) {}
+
+  LIGHTNING_ACT_ALWAYS_INLINE const float* of_row(int64_t row) {
+    const int64_t plane = row / geometry_.height;
+    const int64_t tile_row = plane * geometry_.tiles_h + (row - plane * geometry_.height) / geometry_.block_h;
+    if (tile_row != tile_row_) {
+      tile_row_ = tile_row;
+      values_.resize(geometry_.width);
+      const float* means = lfc_ + tile_row * geometry_.tiles_w;
+      for (int64_t t = 0; t < geometry_.tiles_w; ++t) {
+        const int64_t first = t * geometry_.block_w;
+        std::fill(values_.begin() + first, values_.begin() + std::min(first + geometry_.block_w, geometry_.width),
+                  means[t]);
+      }
+    }
+    return values_.data();
+  }
+
+ private:
+  const float* lfc_;
+  TileGeometry geometry_;
+  std::vector<float> values_;
+  int64_t tile_row_ = -1;
+};
+
+// Calls fn(row, column, offset, length) for each run of elements [start + offset, start +
+// offset + length) that lies in one row, in order.
+template <typename Fn>
+LIGHTNING_ACT_ALWAYS_INLINE void for_each_row_run(int64_t start, int64_t count, int64_t width, Fn&& fn) {
+  int64_t row = start / width;
+  int64_t column = start - row * width;
+  for (int64_t offset = 0; offset < count; ++row, column = 0) {
+    const int64_t length = std::min(width - column, count - offset);
+    fn(row, column, offset, length);
+    offset += length;
+  }
 }
 
 // division_pack's GroupSource: each element minus the LFC value of its tile.
 template <typename scalar_t>
 struct ResidualGroups {
   const scalar_t* input;
-  const float* lfc;
-  TileGeometry geometry;
+  int64_t width;
+  UpsampledRow upsampled;
 
-  const float* operator()(int64_t start, int64_t count, float* buffer) const {
-    TileCursor cursor(start, geometry);
-    for (int64_t i = 0; i < count; ++i) {
-      buffer[i] = sub_rn(static_cast<float>(input[start + i]), lfc[cursor.tile]);
-      cursor.advance(geometry);
-    }
+  LIGHTNING_ACT_ALWAYS_INLINE const float* operator()(int64_t start, int64_t count, float* buffer) {
+    for_each_row_run(start, count, width, [&](int64_t row, int64_t column, int64_t offset, int64_t length) {
+      const float* means = upsampled.of_row(row) + column;
+      const scalar_t* values = input + start + offset;
+      float* residuals = buffer + offset;
+      for (int64_t i = 0; i < length; ++i) {
+        residuals[i] = sub_rn(static_cast<float>(values[i]), means[i]);
+      }
+    });
     return buffer;
   }
 };
@@ -53,16 +127,19 @@ struct ResidualGroups {
 // division_unpack's GroupSink: each decoded residual plus the LFC value of its tile.
 template <typename scalar_t>
 struct ReconstructedGroups {
-  const float* lfc;
-  TileGeometry geometry;
   scalar_t* output;
+  int64_t width;
+  UpsampledRow upsampled;
 
-  void operator()(int64_t start, int64_t count, const float* residuals) const {
-    TileCursor cursor(start, geometry);
-    for (int64_t i = 0; i < count; ++i) {
-      output[start + i] = static_cast<scalar_t>(add_rn(lfc[cursor.tile], residuals[i]));
-      cursor.advance(geometry);
-    }
+  template <typename Decoded>
+  LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t start, int64_t count, const Decoded& residual) {
+    for_each_row_run(start, count, width, [&](int64_t row, int64_t column, int64_t offset, int64_t length) {
+      const float* means = upsampled.of_row(row) + column;
+      scalar_t* values = output + start + offset;
+      for (int64_t i = 0; i < length; ++i) {
+        values[i] = static_cast<scalar_t>(add_rn(means[i], residual(offset + i)));
+      }
+    });
   }
 };
 
@@ -77,14 +154,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> division_pack_cpu(const at::Tenso
   LIGHTNING_ACT_DISPATCH_FLOAT_TYPES(input.scalar_type(), "division_pack_cpu", [&] {
     using input_t = scalar_t;
     LIGHTNING_ACT_DISPATCH_FLOAT_TYPES(lfc_dtype, "division_pack_cpu_lfc", [&] {
-      tile_means_kernel(input.const_data_ptr<input_t>(), lfc.size(0), geometry, lfc.mutable_data_ptr<scalar_t>());
+      const TileMeansTask<input_t, scalar_t> task{input.const_data_ptr<input_t>(), geometry,
+                                                  lfc.mutable_data_ptr<scalar_t>(), {}};
+      parallel_tasks(lfc.size(0) * geometry.tiles_h, geometry.block_h * geometry.width, task);
     });
   });
   // The residual is taken against the LFC as stored, so its rounding lands in the residual.
   const at::Tensor lfc_float = lfc.to(at::kFloat);
   LIGHTNING_ACT_DISPATCH_FLOAT_TYPES(input.scalar_type(), "division_pack_cpu", [&] {
-    const ResidualGroups<scalar_t> source{input.const_data_ptr<scalar_t>(), lfc_float.const_data_ptr<float>(),
-                                          geometry};
+    const ResidualGroups<scalar_t> source{input.const_data_ptr<scalar_t>(), geometry.width,
+                                          UpsampledRow(lfc_float.const_data_ptr<float>(), geometry)};
     encode_groups(source, input.numel(), bits, group_size, static_cast<uint64_t>(seed), codes, stats);
   });
   return {lfc, codes, stats};
@@ -102,8 +181,8 @@ at::Tensor division_unpack_cpu(const at::Tensor& lfc, const at::Tensor& codes, c
   const TileGeometry geometry = make_geometry(height, width, block_h, block_w);
   const at::Tensor lfc_float = lfc.to(at::kFloat).contiguous();
   LIGHTNING_ACT_DISPATCH_FLOAT_TYPES(dtype, "division_unpack_cpu", [&] {
-    const ReconstructedGroups<scalar_t> sink{lfc_float.const_data_ptr<float>(), geometry,
-                                             output.mutable_data_ptr<scalar_t>()};
+    const ReconstructedGroups<scalar_t> sink{output.mutable_data_ptr<scalar_t>(), geometry.width,
+                                             UpsampledRow(lfc_float.const_data_ptr<float>(), geometry)};
     decode_groups(codes, stats, numel, bits, group_size, sink);
   });
   return output;

@@ -1,7 +1,7 @@
 // DIVISION's per-tile math, shared by the CPU and CUDA kernels and free of ATen, so the
 // CUDA kernels that use it also compile as plain C++ (tests/emu runs them on the CPU).
 //
-// The storage format and the pure-PyTorch oracle live in lightning_act/ops/division.py.
+// The storage format and the pure-PyTorch oracle live in lightning_act/ops/reference.py.
 #pragma once
 
 #include <cstdint>
@@ -73,7 +73,7 @@ struct TileCursor {
   }
 };
 
-// The float32 mean of one tile (reference: ops/division.py _tile_means): the sum starts at
+// The float32 mean of one tile (reference: ops/reference.py _tile_means): the sum starts at
 // +0.0 and adds the tile's real pixels row by row, left to right, then divides once.
 template <typename scalar_t>
 LIGHTNING_ACT_HD float tile_mean(const scalar_t* plane, const TileGeometry& geometry, int64_t tile_row,

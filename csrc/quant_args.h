@@ -75,7 +75,7 @@ inline int64_t check_decode_args(const at::Tensor& codes, const at::Tensor& stat
 }
 
 // Checks quantize_pack's arguments and allocates its outputs, uninitialized: the C++ side of
-// the op's fake in lightning_act/ops/__init__.py.
+// the op's fake in lightning_act/ops/schemas.py.
 inline std::tuple<at::Tensor, at::Tensor> quantize_pack_outputs(const at::Tensor& input, int64_t bits,
                                                                 int64_t group_size) {
   check_quant_args(bits, group_size);

@@ -16,7 +16,7 @@ template <typename scalar_t>
 struct InputGroups {
   const scalar_t* input;
 
-  const float* operator()(int64_t start, int64_t count, float* buffer) const {
+  LIGHTNING_ACT_ALWAYS_INLINE const float* operator()(int64_t start, int64_t count, float* buffer) const {
     if constexpr (std::is_same_v<scalar_t, float>) {
       return input + start;
     } else {
@@ -33,9 +33,11 @@ template <typename scalar_t>
 struct OutputGroups {
   scalar_t* output;
 
-  void operator()(int64_t start, int64_t count, const float* values) const {
+  template <typename Decoded>
+  LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t start, int64_t count, const Decoded& decoded) const {
+    scalar_t* values = output + start;
     for (int64_t i = 0; i < count; ++i) {
-      output[start + i] = static_cast<scalar_t>(values[i]);
+      values[i] = static_cast<scalar_t>(decoded(i));
     }
   }
 };

@@ -75,9 +75,8 @@ LIGHTNING_ACT_HD float div_rn(float a, float b) {
 #endif
 }
 
-// A bijective 32-bit hash ("lowbias32"): reference.mix32.
-LIGHTNING_ACT_HD uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
+// mix32 without its first step, x ^= x >> 16.
+LIGHTNING_ACT_HD uint32_t mix32_tail(uint32_t x) {
   x *= 0x7FEB352Du;
   x ^= x >> 15;
   x *= 0x846CA68Bu;
@@ -85,18 +84,32 @@ LIGHTNING_ACT_HD uint32_t mix32(uint32_t x) {
   return x;
 }
 
+// A bijective 32-bit hash ("lowbias32"): reference.mix32.
+LIGHTNING_ACT_HD uint32_t mix32(uint32_t x) { return mix32_tail(x ^ (x >> 16)); }
+
 // Key of the noise stream of the elements whose index has high half `index_high`
 // (reference._stream_key). A group never straddles two streams: group sizes divide 2**32.
 LIGHTNING_ACT_HD uint32_t stream_key(uint64_t seed, uint32_t index_high) {
   return mix32(static_cast<uint32_t>(seed) ^ mix32(static_cast<uint32_t>(seed >> 32) ^ index_high));
 }
 
-// Rounding noise u in [0, 1) of element `index` (reference.uniform_noise); exact in float32:
-// 24 random bits times a power of two.
-LIGHTNING_ACT_HD float uniform_noise(uint32_t key, uint64_t index) {
-  const uint32_t random_bits = mix32(static_cast<uint32_t>(index) ^ key) >> 8;
-  return mul_rn(static_cast<float>(static_cast<int32_t>(random_bits)), 5.9604644775390625e-8f);  // 2**-24
+// The noise u in [0, 1) a hash gives: exact in float32, 24 random bits times a power of two.
+LIGHTNING_ACT_HD float noise_of_hash(uint32_t hash) {
+  return mul_rn(static_cast<float>(static_cast<int32_t>(hash >> 8)), 5.9604644775390625e-8f);  // 2**-24
 }
+
+// Rounding noise u in [0, 1) of element `index` (reference.uniform_noise).
+LIGHTNING_ACT_HD float uniform_noise(uint32_t key, uint64_t index) {
+  return noise_of_hash(mix32(static_cast<uint32_t>(index) ^ key));
+}
+
+// uniform_noise over a run of elements whose indices share their bits 16..31, such as a
+// group (group sizes divide 65536 and groups start at multiples of their size). Then
+// x = index ^ key has the same bits 16..31 throughout, so mix32's first step xors every x
+// with the same word: run_key folds that word into the key once and run_noise skips the step.
+LIGHTNING_ACT_HD uint32_t run_key(uint32_t key, uint32_t first_index) { return key ^ ((first_index ^ key) >> 16); }
+
+LIGHTNING_ACT_HD float run_noise(uint32_t run_key, uint32_t index) { return noise_of_hash(mix32_tail(index ^ run_key)); }
 
 // float32 bits rounded to a bfloat16 value (still as float32 bits) toward -inf or +inf.
 LIGHTNING_ACT_HD uint32_t bf16_bits_rounded(uint32_t bits, bool upward) {
@@ -128,6 +141,13 @@ struct GroupRange {
 
   LIGHTNING_ACT_HD void add(float value) {
     const uint32_t bits = float_bits(value);
+    add_ordered(bits);
+    nonfinite |= static_cast<uint32_t>((bits & kExponentBits) == kExponentBits);
+  }
+
+  // add without the test for NaN and Inf: a loop that gathers a group this way sets
+  // `nonfinite` once at the end, from the extreme keys.
+  LIGHTNING_ACT_HD void add_ordered(uint32_t bits) {
     const int32_t key = order_key(bits);
     min_key = key < min_key ? key : min_key;
     max_key = key > max_key ? key : max_key;
@@ -135,7 +155,12 @@ struct GroupRange {
     // unsigned order is their numeric order.
     const uint32_t positive_bits = static_cast<int32_t>(bits) > 0 ? bits : kExponentBits;
     min_positive_bits = positive_bits < min_positive_bits ? positive_bits : min_positive_bits;
-    nonfinite |= static_cast<uint32_t>((bits & kExponentBits) == kExponentBits);
+  }
+
+  // Whether the keys from min_key to max_key reach NaN or Inf: every finite value's key lies
+  // strictly between those of -inf and +inf, and every NaN's beyond them.
+  LIGHTNING_ACT_HD bool keys_reach_nonfinite() const {
+    return max_key >= order_key(kExponentBits) || min_key <= order_key(kSignBit | kExponentBits);
   }
 
   LIGHTNING_ACT_HD void merge(int32_t other_min_key, int32_t other_max_key, uint32_t other_min_positive_bits,
@@ -192,26 +217,40 @@ LIGHTNING_ACT_HD GroupParams group_params(const GroupRange& range, int bits) {
   return params;
 }
 
-// The code of one value of a group, before packing.
+// The code of a value whose scaled level (its offset in steps plus the noise) is `level`.
 //
 // The reference floors q + u and then clamps to [0, max_level]. Clamping first and then
 // truncating toward zero gives the same integer (the bounds are integers, and every value
 // below 0 floors to a negative code that clamps to 0) without a floor, and keeps the
 // float-to-int conversion in range. A NaN q, reachable only when a group's range overflows
-// float32, becomes code 0 like the reference's float-to-uint8 conversion.
+// float32, becomes code 0 like the reference's float-to-uint8 conversion. Selects rather
+// than branches, so that loops over a group vectorise.
+LIGHTNING_ACT_HD uint32_t code_of_level(float level, float value, float max_level, bool zero_preserving) {
+  level = level > 0.0f ? level : 0.0f;
+  level = level < max_level ? level : max_level;
+  const uint32_t code = static_cast<uint32_t>(static_cast<int32_t>(level));
+  const uint32_t shifted = value > 0.0f ? code + 1u : 0u;
+  return zero_preserving ? shifted : code;
+}
+
+// The code of one value of a finite group whose step is positive, the group's grid passed
+// as plain values: the form of encode_value that CPU loops over a group vectorise.
+LIGHTNING_ACT_HD uint32_t encode_with_step(float value, float low, float step, float max_level, bool zero_preserving,
+                                           float noise) {
+  return code_of_level(add_rn(div_rn(sub_rn(value, low), step), noise), value, max_level, zero_preserving);
+}
+
+// The code of one value of a group, before packing.
 LIGHTNING_ACT_HD uint32_t encode_value(float value, const GroupParams& params, float noise) {
   if (!params.finite) {
     return 0;
   }
-  const float scaled = params.step > 0.0f ? div_rn(sub_rn(value, params.low), params.step) : 0.0f;
-  float level = add_rn(scaled, noise);
-  level = level > 0.0f ? level : 0.0f;
-  level = level < params.max_level ? level : params.max_level;
-  const uint32_t code = static_cast<uint32_t>(static_cast<int32_t>(level));
-  if (params.zero_preserving) {
-    return value > 0.0f ? code + 1u : 0u;
+  if (params.step > 0.0f) {
+    return encode_with_step(value, params.low, params.step, params.max_level, params.zero_preserving, noise);
   }
-  return code;
+  // A zero step (every value equal, or one positive value besides zeros): the scaled
+  // offset is 0.
+  return code_of_level(add_rn(0.0f, noise), value, params.max_level, params.zero_preserving);
 }
 
 // A group's grid as unpack_dequantize reads it back from its two bfloat16 words.
@@ -229,12 +268,13 @@ LIGHTNING_ACT_HD DecodeParams decode_params(uint16_t stats_low, uint16_t stats_s
   return params;
 }
 
+// Computes the value and then clears its bits for a zero-preserving group's code 0 (+0.0),
+// instead of branching, so that loops over a group vectorise.
 LIGHTNING_ACT_HD float decode_value(uint32_t code, const DecodeParams& params) {
-  if (params.zero_preserving && code == 0) {
-    return 0.0f;
-  }
   const float level = sub_rn(static_cast<float>(code), params.zero_preserving ? 1.0f : 0.0f);
-  return add_rn(params.low, mul_rn(level, params.step));
+  const float decoded = add_rn(params.low, mul_rn(level, params.step));
+  const uint32_t keep = params.zero_preserving && code == 0 ? 0u : ~0u;
+  return bits_float(float_bits(decoded) & keep);
 }
 
 }  // namespace lightning_act

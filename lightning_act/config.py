@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_act.ops.reference import SUPPORTED_BITS, check_quant_args
+from lightning_act.ops.validation import SUPPORTED_BITS, check_quant_args
 
 CODECS = ("quant", "division", "pool")
 

@@ -23,7 +23,6 @@ from lightning_act.codecs.division import DivisionCodec, DivisionTensor
 from lightning_act.codecs.exact import IndexCodec, IndexTensor, MaskCodec, SignMaskCodec, StoredTensor
 from lightning_act.codecs.pool import PoolCodec, PooledTensor
 from lightning_act.codecs.quant import QuantizedTensor
-from lightning_act.ops import division as division_ops
 from lightning_act.ops import reference
 from lightning_act.policy import FixedBits
 from tests.conftest import DTYPES, assert_same_bits
@@ -69,20 +68,20 @@ PLANE_CASES = [
 
 def check_division_against_reference(x, block_h, block_w, bits, group_size, seed, lfc_dtype, device):
     case = f"shape={tuple(x.shape)} dtype={x.dtype} blocks={block_h}x{block_w} bits={bits} group={group_size}"
-    got = division_ops.division_pack(x.to(device), block_h, block_w, bits, group_size, seed, lfc_dtype)
-    expected = division_ops.reference_pack(x, block_h, block_w, bits, group_size, seed, lfc_dtype)
+    got = ops.division_pack(x.to(device), block_h, block_w, bits, group_size, seed, lfc_dtype)
+    expected = reference.division_pack(x, block_h, block_w, bits, group_size, seed, lfc_dtype)
     for name, a, b in zip(("lfc", "codes", "stats"), got, expected):
         assert_same_bits(a, b, f"{name} ({case})")
     _, height, width = x.shape
     for dtype in {x.dtype, torch.float32}:
-        decoded = division_ops.division_unpack(*got, height, width, block_h, block_w, bits, group_size, dtype)
-        reference_decoded = division_ops.reference_unpack(
+        decoded = ops.division_unpack(*got, height, width, block_h, block_w, bits, group_size, dtype)
+        reference_decoded = reference.division_unpack(
             *expected, height, width, block_h, block_w, bits, group_size, dtype
         )
         assert_same_bits(decoded, reference_decoded, f"decoded as {dtype} ({case})")
 
 
-@pytest.mark.parametrize("lfc_dtype", division_ops.LFC_DTYPES, ids=str)
+@pytest.mark.parametrize("lfc_dtype", ops.LFC_DTYPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_division_kernels_match_reference_bit_for_bit(device, dtype, lfc_dtype, generator):
     for planes, height, width, block_h, block_w in PLANE_CASES:
@@ -100,7 +99,7 @@ def test_division_kernels_match_reference_on_a_large_tensor(device, generator):
 
 def test_division_lfc_averages_only_the_real_pixels(device, generator):
     x = torch.randn(3, 13, 21, generator=generator, dtype=torch.float64)
-    lfc, _, _ = division_ops.division_pack(x.float().to(device), 8, 8, 2, 256, 0, torch.float32)
+    lfc, _, _ = ops.division_pack(x.float().to(device), 8, 8, 2, 256, 0, torch.float32)
     for plane in range(3):
         for i, rows in enumerate((slice(0, 8), slice(8, 13))):
             for j, columns in enumerate((slice(0, 8), slice(8, 16), slice(16, 21))):
@@ -112,8 +111,8 @@ def test_division_decodes_non_finite_tiles_as_nan(device):
     x = torch.randn(2, 16, 16)
     x[0, 3, 4] = float("nan")
     x[1, 12, 12] = float("inf")
-    packed = division_ops.division_pack(x.to(device), 8, 8, 2, 64, 0, torch.bfloat16)
-    decoded = division_ops.division_unpack(*packed, 16, 16, 8, 8, 2, 64, torch.float32).cpu()
+    packed = ops.division_pack(x.to(device), 8, 8, 2, 64, 0, torch.bfloat16)
+    decoded = ops.division_unpack(*packed, 16, 16, 8, 8, 2, 64, torch.float32).cpu()
     assert decoded[0, :8, :8].isnan().all() and decoded[1, 8:, 8:].isnan().all()
     assert decoded.isnan().sum() <= 2 * 4 * 64  # the groups touching the two tiles, nothing more
     assert decoded[0, 8:, :].isfinite().all()
@@ -124,7 +123,7 @@ def test_division_decodes_non_finite_tiles_as_nan(device):
 def test_division_opcheck(device, dtype, generator):
     x = activation((3, 13, 21), dtype, generator).to(device)
     torch.library.opcheck(torch.ops.lightning_act.division_pack.default, (x, 8, 8, 2, 64, 5, torch.bfloat16))
-    lfc, codes, stats = division_ops.division_pack(x, 8, 8, 2, 64, 5, torch.bfloat16)
+    lfc, codes, stats = ops.division_pack(x, 8, 8, 2, 64, 5, torch.bfloat16)
     torch.library.opcheck(
         torch.ops.lightning_act.division_unpack.default, (lfc, codes, stats, 13, 21, 8, 8, 2, 64, dtype)
     )
@@ -133,13 +132,13 @@ def test_division_opcheck(device, dtype, generator):
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda x: division_ops.division_pack(x, 0, 8, 2, 256, 0, torch.bfloat16), "block_h=0 must be >= 1"),
-        (lambda x: division_ops.division_pack(x, 8, -1, 2, 256, 0, torch.bfloat16), "block_w=-1 must be >= 1"),
-        (lambda x: division_ops.division_pack(x, 8, 8, 3, 256, 0, torch.bfloat16), "bits=3 is not supported"),
-        (lambda x: division_ops.division_pack(x.view(-1), 8, 8, 2, 256, 0, torch.bfloat16), "must be 3-D"),
-        (lambda x: division_ops.division_pack(x.transpose(1, 2), 8, 8, 2, 256, 0, torch.bfloat16), "contiguous"),
-        (lambda x: division_ops.division_pack(x.double(), 8, 8, 2, 256, 0, torch.bfloat16), "input dtype"),
-        (lambda x: division_ops.division_pack(x, 8, 8, 2, 256, 0, torch.int32), "lfc_dtype"),
+        (lambda x: ops.division_pack(x, 0, 8, 2, 256, 0, torch.bfloat16), "block_h=0 must be >= 1"),
+        (lambda x: ops.division_pack(x, 8, -1, 2, 256, 0, torch.bfloat16), "block_w=-1 must be >= 1"),
+        (lambda x: ops.division_pack(x, 8, 8, 3, 256, 0, torch.bfloat16), "bits=3 is not supported"),
+        (lambda x: ops.division_pack(x.view(-1), 8, 8, 2, 256, 0, torch.bfloat16), "must be 3-D"),
+        (lambda x: ops.division_pack(x.transpose(1, 2), 8, 8, 2, 256, 0, torch.bfloat16), "contiguous"),
+        (lambda x: ops.division_pack(x.double(), 8, 8, 2, 256, 0, torch.bfloat16), "input dtype"),
+        (lambda x: ops.division_pack(x, 8, 8, 2, 256, 0, torch.int32), "lfc_dtype"),
     ],
 )
 def test_division_pack_rejects_bad_arguments(device, call, message):
@@ -148,12 +147,12 @@ def test_division_pack_rejects_bad_arguments(device, call, message):
 
 
 def test_division_unpack_rejects_a_mismatched_lfc(device):
-    lfc, codes, stats = division_ops.division_pack(torch.randn(2, 16, 24, device=device), 8, 8, 2, 256, 0,
+    lfc, codes, stats = ops.division_pack(torch.randn(2, 16, 24, device=device), 8, 8, 2, 256, 0,
                                                    torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"lfc must have shape \[planes, 2, 4\] for 16x25 planes"):
-        division_ops.division_unpack(lfc, codes, stats, 16, 25, 8, 8, 2, 256, torch.float32)
+        ops.division_unpack(lfc, codes, stats, 16, 25, 8, 8, 2, 256, torch.float32)
     with pytest.raises(RuntimeError, match="numel=1536 must be in"):
-        division_ops.division_unpack(lfc.repeat(2, 1, 1), codes, stats, 16, 24, 8, 8, 2, 256, torch.float32)
+        ops.division_unpack(lfc.repeat(2, 1, 1), codes, stats, 16, 24, 8, 8, 2, 256, torch.float32)
 
 
 # --------------------------------------------------------------------------- DIVISION codec
@@ -181,8 +180,8 @@ def test_division_codec_matches_its_reference(device, shape, split, dtype, gener
     if split:
         assert isinstance(record, DivisionTensor)
         planes, height, width, block_h, block_w = codec.planes(x.shape)
-        expected = division_ops.reference_unpack(
-            *division_ops.reference_pack(
+        expected = reference.division_unpack(
+            *reference.division_pack(
                 x.cpu().view(planes, height, width), block_h, block_w, 2, 256, 1234, torch.bfloat16
             ),
             height, width, block_h, block_w, 2, 256, dtype,

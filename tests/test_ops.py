@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_act import ops
-from lightning_act.ops import extension, reference
+from lightning_act.ops import extension, layout, reference
 from tests.conftest import DTYPES, assert_same_bits
 
 BITS = (1, 2, 4, 8)
@@ -266,3 +266,45 @@ def test_groups_spanning_beyond_float32_are_stored_as_nan(device, generator):
     assert int(ops.count_nonfinite_groups(stats)) == 1
     decoded = ops.unpack_dequantize(codes, stats, 2, 256, 1024, torch.float32).cpu()
     assert decoded[256:512].isnan().all() and decoded[:256].isfinite().all() and decoded[512:].isfinite().all()
+
+
+@pytest.mark.parametrize("bits", (1, 2, 4, 8))
+@pytest.mark.parametrize("planar", (False, True), ids=("interleaved", "planar"))
+def test_bit_fields_place_each_code_where_the_layout_says(bits, planar, generator):
+    per_byte = 8 // bits
+    numel = 8 * int(torch.randint(1, 200, (1,), generator=generator))
+    codes = torch.randint(1 << bits, (numel,), generator=generator, dtype=torch.uint8)
+    packed = layout.pack_bit_fields(codes, bits, planar)
+    index = torch.arange(numel)
+    if planar:  # code i in byte i mod m, field i // m, for m bytes
+        byte, field = index % (numel // per_byte), index // (numel // per_byte)
+    else:  # code i in byte i // per_byte, field i mod per_byte
+        byte, field = index // per_byte, index % per_byte
+    assert torch.equal((packed[byte] >> (field * bits).to(torch.uint8)) & ((1 << bits) - 1), codes)
+    assert torch.equal(layout.unpack_bit_fields(packed, bits, planar, numel=numel), codes)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda x: reference.quantize_pack(x, 3, 256, 0), "quantize_pack: bits=3 is not supported; allowed: 1, 2, 4, 8"),
+        (lambda x: reference.quantize_pack(x, 2, 96, 0), "group_size=96 must be a power of two in \\[8, 65536\\]"),
+        (lambda x: reference.quantize_pack(x.double(), 2, 256, 0), "input dtype is torch.float64; allowed: torch.float32"),
+        (lambda x: reference.quantize_pack(x.view(32, 32).t(), 2, 256, 0), "input must be contiguous"),
+        (lambda x: reference.unpack_dequantize(*reference.quantize_pack(x, 2, 256, 0), 2, 256, 1025, torch.float32),
+         "numel=1025 must be in \\[0, 1024\\]"),
+        (lambda x: reference.division_pack(x.view(4, 16, 16), 0, 8, 2, 256, 0, torch.bfloat16), "block_h=0 must be >= 1"),
+        (lambda x: reference.division_pack(x.view(4, 16, 16), 8, 8, 2, 256, 0, torch.int8), "lfc_dtype is torch.int8"),
+    ],
+)
+def test_reference_rejects_bad_arguments_like_the_kernels(call, message):
+    """The reference raises the kernels' error type, naming the bad value and what is allowed."""
+    with pytest.raises(RuntimeError, match=message):
+        call(torch.randn(1024))
+
+
+def test_quant_settings_raise_value_errors():
+    with pytest.raises(ValueError, match="bits=3 is not supported; allowed: 1, 2, 4, 8"):
+        ops.check_quant_args(3, 256)
+    with pytest.raises(ValueError, match="group_size=4 must be a power of two in \\[8, 65536\\]"):
+        ops.check_quant_args(2, 4)

@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from lightning_act import ops
 from lightning_act.codecs.quant import GroupQuantCodec, QuantizedTensor
-from lightning_act.ops import division as division_ops
-from lightning_act.ops import reference
 
 
 class DivisionTensor:
@@ -72,7 +71,7 @@ class DivisionTensor:
 
     def unpack(self) -> torch.Tensor:
         """A new contiguous tensor of the original shape and dtype."""
-        planes = division_ops.division_unpack(
+        planes = ops.division_unpack(
             self.lfc,
             self.codes,
             self.stats,
@@ -128,10 +127,10 @@ class DivisionCodec:
     def __init__(self, block: int = 8, lfc_dtype: torch.dtype = torch.bfloat16, group_size: int = 256):
         if isinstance(block, bool) or not isinstance(block, int) or block < 2:
             raise ValueError(f"block={block!r} must be an int >= 2")
-        if lfc_dtype not in division_ops.LFC_DTYPES:
-            allowed = ", ".join(str(dtype) for dtype in division_ops.LFC_DTYPES)
+        if lfc_dtype not in ops.LFC_DTYPES:
+            allowed = ", ".join(str(dtype) for dtype in ops.LFC_DTYPES)
             raise ValueError(f"lfc_dtype={lfc_dtype!r} is not supported; allowed: {allowed}")
-        reference.check_quant_args(2, group_size)
+        ops.check_quant_args(2, group_size)
         self.block = block
         self.lfc_dtype = lfc_dtype
         self.group_size = group_size
@@ -151,7 +150,7 @@ class DivisionCodec:
         if layout is None:
             return self._plain.pack(dense, bits, seed)
         planes, height, width, block_h, block_w = layout
-        lfc, codes, stats = division_ops.division_pack(
+        lfc, codes, stats = ops.division_pack(
             dense.detach().view(planes, height, width), block_h, block_w, bits, self.group_size, seed, self.lfc_dtype
         )
         return DivisionTensor(

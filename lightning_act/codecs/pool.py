@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_act.codecs.exact import StoredTensor
+from lightning_act.ops.layout import upsample_tiles
 
 
 class PooledTensor:
@@ -47,10 +48,7 @@ class PooledTensor:
 
     def unpack(self) -> torch.Tensor:
         """A new contiguous tensor of the original shape: each tile's mean over the tile."""
-        device = self.pooled.device
-        rows = torch.arange(self.shape[-2], device=device) // self.kernel_h
-        columns = torch.arange(self.shape[-1], device=device) // self.kernel_w
-        return self.pooled[..., rows[:, None], columns[None, :]].view(self.shape)
+        return upsample_tiles(self.pooled, self.shape[-2], self.shape[-1], self.kernel_h, self.kernel_w).view(self.shape)
 
 
 class PoolCodec:

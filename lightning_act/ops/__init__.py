@@ -1,50 +1,40 @@
-"""The library's tensor ops, declared once as ``torch.library`` custom ops.
+"""The library's tensor ops: typed wrappers over ``torch.ops.lightning_act``.
 
-Each op has a schema, a fake implementation (shapes only, for ``torch.compile`` and meta
-tensors), and the pure-PyTorch reference of :mod:`lightning_act.ops.reference` registered
-for every device. Fused C++ (CPU) and CUDA kernels from ``csrc/`` are built with ninja on
-first use and register themselves for their device, overriding the reference there; if a
-build fails, one warning is issued and the reference keeps working.
+Laid out by role:
+
+* :mod:`~lightning_act.ops.schemas` declares every op once, with its fake (shapes only,
+  for ``torch.compile`` and meta tensors);
+* :mod:`~lightning_act.ops.reference` is the pure-PyTorch implementation of every op,
+  registered for every device, and the oracle the kernels are tested against bit for bit;
+* ``csrc/`` holds the fused C++ (CPU) and CUDA kernels, one op family per file, which
+  :mod:`~lightning_act.ops.extension` builds with ninja on first use; they register for
+  their device, overriding the reference there. If a build fails, one warning is issued
+  and the reference keeps working;
+* :mod:`~lightning_act.ops.validation` holds every argument check, and
+  :mod:`~lightning_act.ops.layout` every layout rule (groups, tiles, bit fields).
 """
 
 from __future__ import annotations
 
 import torch
 
-from lightning_act.ops import reference
+from lightning_act.ops import reference, schemas  # noqa: F401 - registers the schemas and the reference
 from lightning_act.ops.extension import ensure_kernels, loaded_kernels
-from lightning_act.ops.reference import SUPPORTED_BITS, check_quant_args, count_nonfinite_groups, num_groups
+from lightning_act.ops.reference import count_nonfinite_groups
+from lightning_act.ops.validation import LFC_DTYPES, SUPPORTED_BITS, check_quant_args
 
 __all__ = [
+    "LFC_DTYPES",
     "SUPPORTED_BITS",
     "check_quant_args",
     "count_nonfinite_groups",
+    "division_pack",
+    "division_unpack",
     "ensure_kernels",
     "loaded_kernels",
-    "num_groups",
     "quantize_pack",
     "unpack_dequantize",
 ]
-
-_LIBRARY = torch.library.Library("lightning_act", "DEF")
-_LIBRARY.define("quantize_pack(Tensor input, int bits, int group_size, int seed) -> (Tensor codes, Tensor stats)")
-_LIBRARY.define(
-    "unpack_dequantize(Tensor codes, Tensor stats, int bits, int group_size, int numel, ScalarType dtype) -> Tensor"
-)
-_LIBRARY.impl("quantize_pack", reference.quantize_pack, "CompositeExplicitAutograd")
-_LIBRARY.impl("unpack_dequantize", reference.unpack_dequantize, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("lightning_act::quantize_pack")
-def _quantize_pack_fake(input, bits, group_size, seed):
-    groups = num_groups(input.numel(), group_size)
-    codes = input.new_empty(groups * group_size * bits // 8, dtype=torch.uint8)
-    return codes, input.new_empty(groups, 2, dtype=torch.bfloat16)
-
-
-@torch.library.register_fake("lightning_act::unpack_dequantize")
-def _unpack_dequantize_fake(codes, stats, bits, group_size, numel, dtype):
-    return codes.new_empty(numel, dtype=dtype)
 
 
 def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,6 +49,9 @@ def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tup
     Returns:
         ``(codes, stats)``: packed uint8 codes and bfloat16 ``[groups, 2]`` statistics; the
         format is described in :mod:`lightning_act.ops.reference`.
+
+    Raises:
+        RuntimeError: an argument is out of range; the message names it and what is allowed.
     """
     ensure_kernels(x.device)
     return torch.ops.lightning_act.quantize_pack(x, bits, group_size, seed)
@@ -67,6 +60,85 @@ def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tup
 def unpack_dequantize(
     codes: torch.Tensor, stats: torch.Tensor, bits: int, group_size: int, numel: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Decode :func:`quantize_pack`'s output into a 1-D tensor of ``numel`` values of ``dtype``."""
+    """Decode :func:`quantize_pack`'s output.
+
+    Args:
+        codes: the packed codes.
+        stats: the ``[groups, 2]`` statistics.
+        bits: the bits they were packed with.
+        group_size: the group size they were packed with.
+        numel: values to decode, at most ``groups * group_size``.
+        dtype: float32, float16 or bfloat16.
+
+    Returns:
+        A new 1-D tensor of ``numel`` values of ``dtype``.
+
+    Raises:
+        RuntimeError: codes, stats and the sizes do not fit together.
+    """
     ensure_kernels(codes.device)
     return torch.ops.lightning_act.unpack_dequantize(codes, stats, bits, group_size, numel, dtype)
+
+
+def division_pack(
+    x: torch.Tensor, block_h: int, block_w: int, bits: int, group_size: int, seed: int, lfc_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split planes into a 16-bit low-frequency component and a quantized residual (DIVISION).
+
+    Args:
+        x: float32, float16 or bfloat16, contiguous, ``[planes, height, width]``.
+        block_h: tile rows (>= 1).
+        block_w: tile columns (>= 1); 1 pools along the height axis only.
+        bits: bits per residual value, one of :data:`SUPPORTED_BITS`.
+        group_size: residual values sharing one (low, step) pair; a power of two in [8, 65536].
+        seed: selects the rounding noise (0 <= seed < 2**63); equal seeds give equal codes.
+        lfc_dtype: one of :data:`LFC_DTYPES`.
+
+    Returns:
+        ``(lfc, codes, stats)``: ``lfc`` is ``[planes, tiles_h, tiles_w]`` of ``lfc_dtype``;
+        ``codes`` and ``stats`` are :func:`quantize_pack`'s output for the float32 residual.
+        The format is described in :mod:`lightning_act.ops.reference`.
+
+    Raises:
+        RuntimeError: an argument is out of range; the message names it and what is allowed.
+    """
+    ensure_kernels(x.device)
+    return torch.ops.lightning_act.division_pack(x, block_h, block_w, bits, group_size, seed, lfc_dtype)
+
+
+def division_unpack(
+    lfc: torch.Tensor,
+    codes: torch.Tensor,
+    stats: torch.Tensor,
+    height: int,
+    width: int,
+    block_h: int,
+    block_w: int,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Decode :func:`division_pack`'s output.
+
+    Args:
+        lfc: the ``[planes, tiles_h, tiles_w]`` tile means.
+        codes: the residual's packed codes.
+        stats: the residual's ``[groups, 2]`` statistics.
+        height: rows of each plane.
+        width: columns of each plane.
+        block_h: the tile rows it was packed with.
+        block_w: the tile columns it was packed with.
+        bits: the bits it was packed with.
+        group_size: the group size it was packed with.
+        dtype: float32, float16 or bfloat16.
+
+    Returns:
+        A new ``[planes, height, width]`` tensor of ``dtype``.
+
+    Raises:
+        RuntimeError: the LFC, codes, stats and the sizes do not fit together.
+    """
+    ensure_kernels(lfc.device)
+    return torch.ops.lightning_act.division_unpack(
+        lfc, codes, stats, height, width, block_h, block_w, bits, group_size, dtype
+    )

@@ -1,4 +1,4 @@
-"""Pure-PyTorch implementation of every op.
+"""Pure-PyTorch implementation of every op of :mod:`lightning_act.ops.schemas`.
 
 It is registered as the default implementation on every device, so the library works
 wherever torch does, and it is the oracle the C++ and CUDA kernels in ``csrc/`` are tested
@@ -27,15 +27,57 @@ Storage format of ``quantize_pack`` (shared with ``csrc/quant_math.h``):
   silently wrong gradient. Such groups are counted
   by the caller (``count_nonfinite_groups``).
 * codes are bit-packed little-endian: value ``i`` of the tensor sits in byte
-  ``i * bits // 8`` at bit offset ``i * bits % 8``.
+  ``i * bits // 8`` at bit offset ``i * bits % 8`` (the interleaved order of
+  :mod:`lightning_act.ops.layout`).
+
+A map is read as ``planes`` independent ``height x width`` planes (``N * C`` planes of a
+convolution activation; for a ``(N, T, D)`` sequence activation, ``N`` planes of ``T x D``
+with one-column tiles, so only the sequence axis is pooled). Each plane is cut into tiles of
+``block_h x block_w``; tiles on the bottom and right edges hold only the rows and columns
+the plane really has.
+
+Storage format of ``division_pack`` (shared with ``csrc/division.h``), DIVISION's
+low-frequency component (LFC) plus a quantized residual:
+
+* ``lfc[p, i, j]``: the mean of tile ``(i, j)`` of plane ``p`` over its *real* pixels,
+  rounded (to nearest even) to ``lfc_dtype``. The sum runs in float32 in a fixed order, row
+  by row and left to right within the tile, starting from +0.0, and is divided once by the
+  tile's pixel count; that order is part of the format, so the kernels reproduce the
+  reference bit for bit;
+* ``hfc = x - upsample(lfc)``, computed in float32 against the *rounded* LFC (so the LFC's
+  rounding error moves into the residual instead of biasing the result), stored exactly
+  as :func:`quantize_pack` stores a float32 tensor: the same groups of
+  ``group_size`` consecutive values in memory order, the same statistics, the same noise
+  stream of ``seed``;
+* ``division_unpack`` returns ``upsample(lfc) + dequantize(hfc)`` (one float32 addition)
+  converted to the requested dtype. Stochastic rounding of the residual is unbiased, so
+  the decoded tensor is an unbiased estimate of ``x``.
+
+A tile holding NaN or Inf has a non-finite mean, which makes every residual of the tile
+non-finite and every group touching it a NaN group (counted by ``count_nonfinite_groups``):
+a non-finite activation decodes to NaN, never to a finite, wrong value. The same holds for
+a finite tile whose float32 sum overflows (values near 3e38), and for a ``float16`` LFC of a
+mean beyond 65504: use the default ``bfloat16`` (float32's range) for such data.
 """
 
 from __future__ import annotations
 
 import torch
 
-SUPPORTED_BITS = (1, 2, 4, 8)
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from lightning_act.ops import validation
+from lightning_act.ops.layout import num_groups, pack_bit_fields, tile_grid, unpack_bit_fields, upsample_tiles
+from lightning_act.ops.schemas import LIBRARY
+
+__all__ = [
+    "count_nonfinite_groups",
+    "division_pack",
+    "division_unpack",
+    "mix32",
+    "quantize_pack",
+    "uniform_noise",
+    "unpack_dequantize",
+]
+
 _MASK32 = 0xFFFFFFFF
 # Elements per pass of the reference: bounds its int64 temporaries, and as a power of two
 # that divides 2**32 it keeps the high half of every element index constant within a pass.
@@ -120,36 +162,6 @@ def _quantize_chunk(x: torch.Tensor, bits: int, group_size: int, seed: int, star
     return codes.view(-1), stats
 
 
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    if bits == 8:
-        return codes
-    per_byte = 8 // bits
-    c = codes.view(-1, per_byte)
-    packed = c[:, 0].clone()
-    for j in range(1, per_byte):
-        packed |= c[:, j] << (j * bits)
-    return packed
-
-
-def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    if bits == 8:
-        return packed
-    mask = (1 << bits) - 1
-    fields = [(packed >> (j * bits)) & mask for j in range(8 // bits)]
-    return torch.stack(fields, dim=1).view(-1)
-
-
-def check_quant_args(bits: int, group_size: int) -> None:
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits={bits!r} is not supported; allowed: {SUPPORTED_BITS}")
-    if group_size < 8 or group_size > (1 << 16) or group_size & (group_size - 1):
-        raise ValueError(f"group_size={group_size!r} must be a power of two in [8, 65536]")
-
-
-def num_groups(numel: int, group_size: int) -> int:
-    return -(-numel // group_size)
-
-
 def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize and bit-pack a floating-point tensor (any shape, read in memory order).
 
@@ -162,11 +174,7 @@ def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tup
     Returns:
         ``codes``: uint8 ``[groups * group_size * bits // 8]``; ``stats``: bfloat16 ``[groups, 2]``.
     """
-    check_quant_args(bits, group_size)
-    if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"quantize_pack: input dtype {x.dtype} is not supported; allowed: float32, float16, bfloat16")
-    if not x.is_contiguous():
-        raise ValueError("quantize_pack: input must be contiguous")
+    validation.check_quantize_pack(x, bits, group_size)
     flat = x.reshape(-1)
     n = flat.numel()
     groups = num_groups(n, group_size)
@@ -183,19 +191,15 @@ def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tup
         stats_bits[start // group_size:stop // group_size] = s
     codes[n:] = 0
     stats = (stats_bits >> 16).to(torch.int16).view(torch.bfloat16)
-    return _pack(codes, bits), stats
+    return pack_bit_fields(codes, bits, planar=False), stats
 
 
 def unpack_dequantize(
     codes: torch.Tensor, stats: torch.Tensor, bits: int, group_size: int, numel: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_pack`: a 1-D tensor of ``numel`` values of ``dtype``."""
-    check_quant_args(bits, group_size)
-    if dtype not in FLOAT_DTYPES:
-        raise ValueError(f"unpack_dequantize: dtype {dtype} is not supported; allowed: float32, float16, bfloat16")
-    if numel > stats.shape[0] * group_size:
-        raise ValueError(f"unpack_dequantize: numel={numel} exceeds the {stats.shape[0]} groups of {group_size} stored")
-    c = _unpack(codes, bits).view(-1, group_size).float()
+    validation.check_unpack_dequantize(codes, stats, bits, group_size, numel, dtype)
+    c = unpack_bit_fields(codes, bits, planar=False).view(-1, group_size).float()
     low = stats[:, 0:1].float()
     signed_step = stats[:, 1:2].float()
     zero_preserving = torch.signbit(signed_step)
@@ -208,3 +212,61 @@ def unpack_dequantize(
 def count_nonfinite_groups(stats: torch.Tensor) -> torch.Tensor:
     """Number of groups stored as NaN because they held NaN or Inf (a device scalar, no sync)."""
     return torch.isnan(stats[:, 0]).sum()
+
+
+def _tile_means(planes: torch.Tensor, block_h: int, block_w: int) -> torch.Tensor:
+    """float32 ``[planes, tiles_h, tiles_w]`` means over real pixels, summed in the format's order."""
+    count, height, width = planes.shape
+    tiles_h, tiles_w = tile_grid(height, width, block_h, block_w)
+    # Zero padding leaves every sum unchanged: the sum starts at +0.0 and never becomes -0.0
+    # (round-to-nearest gives +0.0 for x + (-x)), and adding +0.0 to anything else is exact.
+    padded = torch.nn.functional.pad(planes.float(), (0, tiles_w * block_w - width, 0, tiles_h * block_h - height))
+    tiles = padded.view(count, tiles_h, block_h, tiles_w, block_w)
+    total = torch.zeros(count, tiles_h, tiles_w, dtype=torch.float32, device=planes.device)
+    for row in range(block_h):
+        for column in range(block_w):
+            total = total + tiles[:, :, row, :, column]
+    rows = torch.clamp(height - torch.arange(tiles_h, device=planes.device) * block_h, max=block_h)
+    columns = torch.clamp(width - torch.arange(tiles_w, device=planes.device) * block_w, max=block_w)
+    pixels = (rows[:, None] * columns[None, :]).to(torch.float32)
+    return total / pixels
+
+
+def division_pack(
+    x: torch.Tensor, block_h: int, block_w: int, bits: int, group_size: int, seed: int, lfc_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split ``[planes, height, width]`` into tile means and a quantized residual (the format above)."""
+    validation.check_division_pack(x, block_h, block_w, bits, group_size, lfc_dtype)
+    _, height, width = x.shape
+    lfc = _tile_means(x, block_h, block_w).to(lfc_dtype)
+    residual = x.float() - upsample_tiles(lfc.float(), height, width, block_h, block_w)
+    codes, stats = quantize_pack(residual, bits, group_size, seed)
+    return lfc, codes, stats
+
+
+def division_unpack(
+    lfc: torch.Tensor,
+    codes: torch.Tensor,
+    stats: torch.Tensor,
+    height: int,
+    width: int,
+    block_h: int,
+    block_w: int,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Inverse of :func:`division_pack`: a new ``[planes, height, width]`` tensor of ``dtype``."""
+    validation.check_division_unpack(lfc, codes, stats, height, width, block_h, block_w, bits, group_size, dtype)
+    shape = (lfc.shape[0], height, width)
+    residual = unpack_dequantize(codes, stats, bits, group_size, lfc.shape[0] * height * width, torch.float32)
+    return (upsample_tiles(lfc.float(), height, width, block_h, block_w) + residual.view(shape)).to(dtype)
+
+
+for _name, _impl in (
+    ("quantize_pack", quantize_pack),
+    ("unpack_dequantize", unpack_dequantize),
+    ("division_pack", division_pack),
+    ("division_unpack", division_unpack),
+):
+    LIBRARY.impl(_name, _impl, "CompositeExplicitAutograd")

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_act.config import CODECS
-from lightning_act.ops.reference import SUPPORTED_BITS
+from lightning_act.ops.validation import SUPPORTED_BITS
 from lightning_act.policy.allocation import EXACT, allocate_bits
 
 EXACT_NAME = "exact"

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lightning_act.ops.reference import SUPPORTED_BITS
+from lightning_act.ops.validation import SUPPORTED_BITS
 from lightning_act.policy.allocation import quantization_variance
 
 

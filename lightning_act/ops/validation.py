@@ -1,0 +1,162 @@
+"""Every argument check of :mod:`lightning_act.ops`, in one place.
+
+Two kinds of caller, two kinds of error, one rule each:
+
+* settings a user chooses (``bits``, ``group_size``, a codec's ``lfc_dtype``) are checked
+  when a config or codec is built, and raise :class:`ValueError`;
+* the op's arguments are checked by the reference implementations and the fakes with
+  ``torch._check``, which raises :class:`RuntimeError` like the C++ and CUDA kernels'
+  ``TORCH_CHECK`` (``csrc/quant_args.h``, ``csrc/division.h``) that mirror these rules: every
+  device rejects the same inputs, with messages naming the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_act.ops.layout import tile_grid
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "LFC_DTYPES",
+    "SUPPORTED_BITS",
+    "check_division_pack",
+    "check_division_unpack",
+    "check_quant_args",
+    "check_quantize_pack",
+    "check_unpack_dequantize",
+]
+
+#: Bits per value the quantizer stores.
+SUPPORTED_BITS = (1, 2, 4, 8)
+#: Dtypes the ops read and write.
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Dtypes DIVISION's low-frequency component can be stored in.
+LFC_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MIN_GROUP, _MAX_GROUP = 8, 1 << 16
+
+
+def _allowed(values) -> str:
+    return ", ".join(str(value) for value in values)
+
+
+def _quant_args_error(bits: int, group_size: int) -> str | None:
+    if bits not in SUPPORTED_BITS:
+        return f"bits={bits!r} is not supported; allowed: {_allowed(SUPPORTED_BITS)}"
+    if not _MIN_GROUP <= group_size <= _MAX_GROUP or group_size & (group_size - 1):
+        return f"group_size={group_size!r} must be a power of two in [{_MIN_GROUP}, {_MAX_GROUP}]"
+    return None
+
+
+def check_quant_args(bits: int, group_size: int) -> None:
+    """Checks a quantizer setting.
+
+    Raises:
+        ValueError: ``bits`` is not in :data:`SUPPORTED_BITS` or ``group_size`` is not a
+            power of two in [8, 65536].
+    """
+    message = _quant_args_error(bits, group_size)
+    if message is not None:
+        raise ValueError(message)
+
+
+def _check(condition: bool, op: str, message: str) -> None:
+    torch._check(condition, lambda: f"lightning_act.{op}: {message}")
+
+
+def _check_quant_op_args(op: str, bits: int, group_size: int) -> None:
+    message = _quant_args_error(bits, group_size)
+    _check(message is None, op, message or "")
+
+
+def _check_float(op: str, what: str, dtype: torch.dtype, allowed=FLOAT_DTYPES) -> None:
+    _check(dtype in allowed, op, f"{what} is {dtype}; allowed: {_allowed(allowed)}")
+
+
+def _check_contiguous(op: str, what: str, tensor: torch.Tensor) -> None:
+    _check(
+        tensor.is_contiguous(),
+        op,
+        f"{what} must be contiguous; got shape {tuple(tensor.shape)} with strides {tensor.stride()}",
+    )
+
+
+def check_quantize_pack(input: torch.Tensor, bits: int, group_size: int) -> None:
+    """Checks ``quantize_pack``'s arguments (RuntimeError naming the first bad one)."""
+    _check_quant_op_args("quantize_pack", bits, group_size)
+    _check_float("quantize_pack", "input dtype", input.dtype)
+    _check_contiguous("quantize_pack", "input", input)
+
+
+def check_unpack_dequantize(
+    codes: torch.Tensor, stats: torch.Tensor, bits: int, group_size: int, numel: int, dtype: torch.dtype,
+    op: str = "unpack_dequantize",
+) -> None:
+    """Checks ``unpack_dequantize``'s arguments: codes and stats against each other and ``numel``."""
+    _check_quant_op_args(op, bits, group_size)
+    _check(codes.dtype == torch.uint8, op, f"codes dtype is {codes.dtype}; allowed: torch.uint8")
+    _check_contiguous(op, "codes", codes)
+    _check(stats.dtype == torch.bfloat16, op, f"stats dtype is {stats.dtype}; allowed: torch.bfloat16")
+    _check(stats.dim() == 2 and stats.shape[1] == 2, op, f"stats must have shape [groups, 2]; got {tuple(stats.shape)}")
+    _check_contiguous(op, "stats", stats)
+    _check(codes.device == stats.device, op, f"codes are on {codes.device} but stats are on {stats.device}")
+    groups = stats.shape[0]
+    expected = groups * group_size * bits // 8
+    _check(
+        codes.numel() == expected,
+        op,
+        f"codes hold {codes.numel()} bytes; {groups} groups of {group_size} values at {bits} bits need {expected}",
+    )
+    _check(
+        0 <= numel <= groups * group_size,
+        op,
+        f"numel={numel} must be in [0, {groups * group_size}] for {groups} groups of {group_size}",
+    )
+    _check_float(op, "dtype", dtype)
+
+
+def _check_blocks(op: str, block_h: int, block_w: int) -> None:
+    for name, block in (("block_h", block_h), ("block_w", block_w)):
+        _check(block >= 1, op, f"{name}={block!r} must be >= 1")
+
+
+def check_division_pack(
+    input: torch.Tensor, block_h: int, block_w: int, bits: int, group_size: int, lfc_dtype: torch.dtype
+) -> None:
+    """Checks ``division_pack``'s arguments (RuntimeError naming the first bad one)."""
+    op = "division_pack"
+    _check_quant_op_args(op, bits, group_size)
+    _check_blocks(op, block_h, block_w)
+    _check_float(op, "input dtype", input.dtype)
+    _check(input.dim() == 3, op, f"input must be 3-D [planes, height, width]; got shape {tuple(input.shape)}")
+    _check_contiguous(op, "input", input)
+    _check_float(op, "lfc_dtype", lfc_dtype, LFC_DTYPES)
+
+
+def check_division_unpack(
+    lfc: torch.Tensor,
+    codes: torch.Tensor,
+    stats: torch.Tensor,
+    height: int,
+    width: int,
+    block_h: int,
+    block_w: int,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype,
+) -> None:
+    """Checks ``division_unpack``'s arguments: the LFC against the planes, then the residual."""
+    op = "division_unpack"
+    _check_blocks(op, block_h, block_w)
+    _check(height >= 0 and width >= 0, op, f"height={height} and width={width} must be >= 0")
+    _check_float(op, "lfc dtype", lfc.dtype, LFC_DTYPES)
+    tiles_h, tiles_w = tile_grid(height, width, block_h, block_w)
+    _check(
+        lfc.dim() == 3 and tuple(lfc.shape[1:]) == (tiles_h, tiles_w),
+        op,
+        f"lfc must have shape [planes, {tiles_h}, {tiles_w}] for {height}x{width} planes in {block_h}x{block_w} "
+        f"tiles; got {tuple(lfc.shape)}",
+    )
+    _check(lfc.device == codes.device, op, f"lfc is on {lfc.device} but codes are on {codes.device}")
+    planes = lfc.shape[0] if lfc.dim() == 3 else 0
+    check_unpack_dequantize(codes, stats, bits, group_size, planes * height * width, dtype, op=op)
