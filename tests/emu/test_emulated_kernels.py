@@ -28,7 +28,6 @@ import pytest
 import torch
 
 from lightning_act import ops
-from lightning_act.ops import division as division_ops
 from lightning_act.ops import extension
 from tests.conftest import DTYPES, assert_same_bits
 from tests.test_ops import random_input
@@ -250,8 +249,8 @@ def test_division_pack_and_unpack(emulator, tmp_path, generator):
         x = random_input(case.planes * case.height * case.width, case.dtype, generator).view(shape)
         x = misaligned_copy(x, case.offset)
         args = (case.block_h, case.block_w, case.bits, case.group_size)
-        lfc, codes, stats = division_ops.division_pack(x, *args, case.seed, case.lfc_dtype)
-        decoded = division_ops.division_unpack(lfc, codes, stats, case.height, case.width, *args, case.dtype)
+        lfc, codes, stats = ops.division_pack(x, *args, case.seed, case.lfc_dtype)
+        decoded = ops.division_unpack(lfc, codes, stats, case.height, case.width, *args, case.dtype)
         base = tmp_path / str(index)
         geometry = (
             f"{DTYPE_NAMES[case.dtype]} {DTYPE_NAMES[case.lfc_dtype]} {case.planes} {case.height} {case.width} "
