@@ -4,6 +4,7 @@ an adaptive policy, recalibrates the bits of each saved tensor every N steps."""
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -153,6 +154,13 @@ class ActCompression(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Otherwise the first backward fails with torch's "element 0 of tensors does not require grad".
+        if not any(parameter.requires_grad for parameter in pl_module.parameters()):
+            raise ValueError(
+                f"lightning_act: no parameter of {type(pl_module).__name__} requires grad, so fit has nothing to "
+                "train and no activations are saved for backward; unfreeze the parameters to train "
+                "(requires_grad_(True)) or use trainer.validate/test for a frozen model"
+            )
         self._fit_started = time.perf_counter()
         if self.adaptive and self.estimator == "probe" and not pl_module.automatic_optimization:
             rank_zero_warn(
@@ -313,6 +321,9 @@ def _warn_about_compiled_regions(pl_module: pl.LightningModule) -> None:
             "compressed when it runs, but as one block: rules by module name or by 'op:' and the per-module "
             "report do not see the modules and ops inside it."
         )
+        # torch warns on every compiled call that the capture's global module hooks also fire
+        # for the compiled wrapper; the capture expects that, and the warning above says what matters.
+        warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
 
 
 def _leading_rows(batch: Any, rows: int) -> Any:

@@ -7,16 +7,27 @@ short name (``class_path: ActCompression``, ``--model=ImageClassifier``). Withou
 the default configuration, so ``lightning-act fit`` alone trains a small network on
 generated data. A rejected setting ends the command with one line naming the setting,
 the value and what is allowed, and exit status 2.
+
+Where a setting comes from matters in two cases. A relative path that a config file gives
+to a model or data argument typed as a path (``str | os.PathLike``: ``--data.root``,
+``--data.data_dir``, ``--data.path``) is resolved against the repository root when the
+package runs from a checkout, so ``configs/`` run from any folder; a path typed on the
+command line stays relative to the current folder. And ``--trainer.callbacks.bits`` on
+the command line switches a config's adaptive policy (``budget``) off, as
+``--trainer.callbacks.budget`` switches a config's fixed ``bits`` back to the default.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
 import sys
+import typing
+import warnings
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -25,6 +36,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 # Short class names resolve only for imported classes.
 import lightning_act  # noqa: F401
 import lightning_act.examples  # noqa: F401
+from lightning_act.callback import ActCompression
 
 PROG = "lightning-act"
 DESCRIPTION = (
@@ -32,10 +44,21 @@ DESCRIPTION = (
     "Without --config, --model or --data, runs the quickstart (configs/quickstart.yaml)."
 )
 SUBCOMMANDS = ("fit", "validate", "test")
+# fit --help lists the Trainer's options but not those of a callback inside its list.
+CALLBACK_HELP = (
+    "Train the model. The activation compression settings (bits, budget, rules, codec, ...) are listed by "
+    f"`{PROG} fit --trainer.callbacks.help ActCompression`."
+)
 
 # Raised by a constructor (or the Trainer) over a bad setting: reported as one line.
 # Anything else raised while building the objects is a bug and keeps its traceback.
 CONFIG_ERRORS = (ValueError, FileNotFoundError, MisconfigurationException)
+
+
+def repository_root() -> Path | None:
+    """The checkout this package runs from (editable install or ``PYTHONPATH``); ``None`` when installed."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "pyproject.toml").is_file() and (root / "configs").is_dir() else None
 
 
 def quickstart_config() -> Path | None:
@@ -76,10 +99,14 @@ class ActCLI(LightningCLI):
 
     def __init__(self, args: list[str] | None = None, run: bool = True, **kwargs):
         parser_kwargs = {"prog": PROG, "description": DESCRIPTION, **kwargs.pop("parser_kwargs", {})}
+        self.command_line = sys.argv[1:] if args is None else list(args)
         quickstart = quickstart_config()
-        if quickstart is not None and not _names_a_configuration(sys.argv[1:] if args is None else args):
+        if quickstart is not None and not _names_a_configuration(self.command_line):
             for subcommand in SUBCOMMANDS:
                 parser_kwargs.setdefault(subcommand, {}).setdefault("default_config_files", [str(quickstart)])
+        fit_kwargs = parser_kwargs.setdefault("fit", {})
+        fit_kwargs.setdefault("description", CALLBACK_HELP)
+        fit_kwargs.setdefault("epilog", CALLBACK_HELP)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         super().__init__(
             pl.LightningModule,
@@ -96,6 +123,15 @@ class ActCLI(LightningCLI):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         return {name: skip for name, skip in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        given = _command_line_keys(self.command_line)
+        root = repository_root()
+        if root is not None:
+            for key in ("model", "data"):
+                _resolve_paths_from_config(config.get(key), key, root, given)
+        _command_line_policy_wins(config.get("trainer"), given)
 
     def instantiate_classes(self) -> None:
         try:
@@ -115,12 +151,70 @@ def main(args: list[str] | None = None) -> None:
         args: command line arguments (without the program name); ``None`` reads
             ``sys.argv``.
     """
+    # Lightning's loaders build torch's LeafSpec, which torch deprecates: a warning on every
+    # run about Lightning's internals that no setting of this command can act on.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
     ActCLI(args)
 
 
 def _names_a_configuration(argv: list[str]) -> bool:
     """Whether the command line picks its own config, model or data (so no quickstart)."""
     return any(re.match(r"(-c|--config|--model|--data)(=|$)", arg) for arg in argv)
+
+
+def _command_line_keys(argv: list[str]) -> set[str]:
+    """The dotted settings an argument list sets, ``init_args`` left out: ``{"data.root", ...}``."""
+    keys = set()
+    for arg in argv:
+        match = re.match(r"--([\w.]+)", arg)
+        if match:
+            keys.add(match.group(1).replace(".init_args.", "."))
+    return keys
+
+
+def _resolve_paths_from_config(section: Any, key: str, root: Path, given: set[str]) -> None:
+    """Resolve the relative path arguments of one class (``model`` or ``data``) against ``root``,
+    except those set on the command line."""
+    if section is None or not isinstance(section.get("class_path"), str):
+        return
+    cls = _import(section["class_path"])
+    init_args = section.get("init_args")
+    if cls is None or init_args is None:
+        return
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except (NameError, TypeError):  # annotations that do not evaluate here: no path argument to see
+        return
+    for name, hint in hints.items():
+        value = init_args.get(name)
+        if (
+            _is_path_type(hint)
+            and isinstance(value, str)
+            and not os.path.isabs(value)
+            and f"{key}.{name}" not in given
+        ):
+            init_args[name] = os.path.normpath(root / value)
+
+
+def _is_path_type(hint: Any) -> bool:
+    return hint is os.PathLike or os.PathLike in typing.get_args(hint)
+
+
+def _command_line_policy_wins(trainer: Any, given: set[str]) -> None:
+    """``--trainer.callbacks.bits`` clears a config's ``budget`` (and ``budget`` a config's
+    ``bits``) in the callback it reaches, the last of the list, when that is ActCompression."""
+    callbacks = trainer.get("callbacks") if trainer is not None else None
+    if not callbacks or not isinstance(callbacks, list) or not isinstance(callbacks[-1].get("class_path"), str):
+        return
+    cls = _import(callbacks[-1]["class_path"])
+    init_args = callbacks[-1].get("init_args")
+    if not (isinstance(cls, type) and issubclass(cls, ActCompression)) or init_args is None:
+        return
+    bits_given, budget_given = "trainer.callbacks.bits" in given, "trainer.callbacks.budget" in given
+    if bits_given and not budget_given:
+        init_args["budget"] = None
+    elif budget_given and not bits_given:
+        init_args["bits"] = inspect.signature(cls).parameters["bits"].default
 
 
 def _root_cause(error: BaseException) -> BaseException:

@@ -6,7 +6,6 @@ loggers (other loggers have no common API for them). Keys share one prefix.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -64,10 +63,9 @@ def allocation_table(
 
 def bits_heatmap(history: Sequence[Mapping[str, float]], steps: Sequence[int]) -> np.ndarray:
     """An RGB image (H, W, 3, uint8): modules down, recalibrations across, colour = bits."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A figure of its own with an Agg canvas: pyplot and the user's backend are left alone.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     modules = sorted({m for row in history for m in row})
     grid = np.full((len(modules), len(history)), np.nan)
@@ -75,20 +73,17 @@ def bits_heatmap(history: Sequence[Mapping[str, float]], steps: Sequence[int]) -
         for i, module in enumerate(modules):
             grid[i, j] = row.get(module, np.nan)
     height = min(2.0 + 0.18 * len(modules), 40.0)
-    fig, ax = plt.subplots(figsize=(3.0 + 0.4 * len(history), height), dpi=80)
+    fig = Figure(figsize=(3.0 + 0.4 * len(history), height), dpi=80)
+    canvas = FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=8, interpolation="nearest")
     ax.set_yticks(range(len(modules)), modules, fontsize=6)
     ax.set_xticks(range(len(steps)), [str(s) for s in steps], fontsize=6, rotation=90)
     ax.set_xlabel("step of recalibration")
     fig.colorbar(image, ax=ax, label="mean bits")
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    buffer.seek(0)
-    from PIL import Image
-
-    return np.asarray(Image.open(buffer).convert("RGB"))
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
 def log_allocation(

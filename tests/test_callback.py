@@ -110,7 +110,7 @@ def test_validation_is_never_captured(tmp_path):
     assert model.capture_active_in_validation and not any(model.capture_active_in_validation)
 
 
-@pytest.mark.parametrize("mode", ["manual", "accumulate"])
+@pytest.mark.parametrize("mode", ["manual", pytest.param("accumulate", marks=pytest.mark.slow)])
 def test_manual_optimization_and_accumulation_train_normally(tmp_path, mode):
     kwargs = {"accumulate_grad_batches": 2} if mode == "accumulate" else {}
     model = SmallCNN(manual=mode == "manual")

@@ -526,6 +526,7 @@ def test_rules_choose_codec_and_bits_by_module_and_by_op(generator):
     assert "division" in capture.report.summary() and "pool" in capture.report.summary()
 
 
+@pytest.mark.slow  # ResNet-50 at 224x224 under the memory profiler
 def test_resnet50_at_224_keeps_14x_less(generator):
     """torchvision ResNet-50, 224x224, fp32, 2 bits: max-pool indices in 16 bits, not 64."""
     torchvision = pytest.importorskip("torchvision")

@@ -5,6 +5,7 @@ the callback hooks of every rank; a failed assertion there fails the fit.
 """
 
 import lightning as L
+import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
@@ -25,6 +26,7 @@ class SameBitsOnEveryRank(Callback):
             assert mine, "no recalibration happened"
 
 
+@pytest.mark.slow  # two spawned processes, each importing torch and Lightning
 def test_ddp_ranks_share_one_allocation(tmp_path):
     torch.manual_seed(0)
     callback = ActCompression(budget=2.0, estimator="gradient", warmup_steps=1, calibration_steps=1,

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# The harness runs in its own interpreter and trains two models: a long check.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "benchmarks" / "results" / "harness_cpu.json"
 DATA = REPO.parent / "shared" / "data"

@@ -158,6 +158,7 @@ class CompressesOnEveryRank(Callback):
         assert shapes == [(per_rank, HIDDEN2), (per_rank, HIDDEN), (per_rank, HIDDEN)], shapes
 
 
+@pytest.mark.slow  # two processes, each importing torch and Lightning
 def test_ddp_two_processes_follow_the_single_process_run():
     steps = 12
     initial = flat(seeded(MLP))
@@ -219,6 +220,7 @@ def _fsdp_worker(out_dir: Path) -> None:
     (out_dir / f"rank{fit.global_rank}.json").write_text(json.dumps({"steps": log.steps, "weights": weights}))
 
 
+@pytest.mark.slow  # two processes, each importing torch and Lightning
 def test_fsdp2_trains_and_never_compresses_weights(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
@@ -313,6 +315,7 @@ def _fsdp1_rank(rank: int, out_dir: str, port: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two processes
 def test_fsdp_with_activation_checkpointing_stores_what_a_single_process_stores(tmp_path):
     import socket
 
@@ -788,6 +791,7 @@ class MemoryProbe(Callback):
             self.samples[trainer.global_step] = (resident_bytes(), live_tensors())
 
 
+@pytest.mark.slow  # 2,000 training steps
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads resident memory from /proc")
 def test_thousands_of_steps_with_flat_memory():
     steps, warm = 2000, 500

@@ -49,7 +49,9 @@ def weight_grads(model, loss):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-@pytest.mark.parametrize("autocast,minimum", [(False, 13.0), (True, 7.5)])
+@pytest.mark.parametrize(
+    "autocast,minimum", [(False, 13.0), pytest.param(True, 7.5, marks=pytest.mark.slow)]  # bf16 on a CPU: slow
+)
 def test_measured_memory_reduction_at_2_bits(resnet, autocast, minimum):
     model, x, y = resnet
     baseline, loss = kept_by_forward(forward_fn(model, x, y, autocast=autocast))
@@ -75,6 +77,7 @@ def test_8_bit_gradients_match(resnet):
     assert error < 1e-2
 
 
+@pytest.mark.slow  # 64 forward and backward passes
 def test_2_bit_gradients_are_unbiased(resnet):
     """Averaging over rounding seeds converges to the exact gradient (as 1/sqrt(seeds))."""
     model, x, y = resnet

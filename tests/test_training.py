@@ -20,7 +20,7 @@ from lightning_act.examples.language import CharTransformer
 from lightning_act.examples.vision import CIFAR10DataModule
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason=f"real data not found at {DATA}")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not DATA.is_dir(), reason=f"real data not found at {DATA}")]
 
 
 def train(model, batches, optimizer, bits):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import suggested_max_num_workers
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -15,16 +16,27 @@ class SplitDataModule(pl.LightningDataModule):
 
     Args:
         batch_size: samples per batch.
-        num_workers: data loader worker processes, kept alive from one epoch to the next.
+        num_workers: data loader worker processes, kept alive from one epoch to the next;
+            ``None``: one per CPU core available to each device's process, less one for
+            the process itself (Lightning's suggestion, so neither it nor PyTorch warns).
     """
 
-    def __init__(self, batch_size: int, num_workers: int):
+    def __init__(self, batch_size: int, num_workers: int | None):
         super().__init__()
+        if num_workers is not None and num_workers < 0:
+            raise ValueError(f"num_workers={num_workers!r} must be >= 0 or null for one per available core")
         self.batch_size = batch_size
-        self.num_workers = num_workers
+        self._num_workers = num_workers
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
+
+    @property
+    def num_workers(self) -> int:
+        if self._num_workers is not None:
+            return self._num_workers
+        devices = self.trainer.num_devices if self.trainer is not None else 1
+        return suggested_max_num_workers(devices)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import shutil
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Literal
@@ -123,29 +123,29 @@ class NodeClassifier(pl.LightningModule):
 class PlanetoidDataModule(pl.LightningDataModule):
     """A Planetoid citation graph (Cora, CiteSeer, PubMed) with its train/val/test masks.
 
-    Every loader yields the whole graph once per epoch; the steps pick their mask. PyG
-    writes ``processed/`` next to ``raw/``: when ``root`` is read-only, its raw files are
-    copied to ``cache_dir`` first and the data set is built there.
+    Every loader yields the whole graph once per epoch; the steps pick their mask. The raw
+    files are only read: PyG's ``processed/`` copy is built in a temporary folder, removed
+    once the graph is in memory (a second or two for Cora), so a shared data folder is
+    never written.
 
     Args:
-        root: folder holding ``<name>/raw/`` (``ind.cora.x`` ...); PyG downloads the raw
-            files there when they are missing and ``root`` is writable.
+        root: folder holding ``<name>/raw/`` (``ind.cora.x`` ...).
         name: Cora, CiteSeer or PubMed.
         split: Planetoid split: ``public`` (20 labelled nodes per class), ``full``,
             ``geom-gcn`` or ``random``.
-        cache_dir: writable folder used when ``root`` is read-only; by default
-            ``$XDG_CACHE_HOME/lightning_act/planetoid`` (``~/.cache/...``).
+        download: fetch the raw files into ``root`` when they are missing.
 
     Raises:
         ValueError: ``name`` is not a Planetoid data set.
+        FileNotFoundError: the raw files are not under ``root`` and ``download`` is off.
     """
 
     def __init__(
         self,
-        root: str = "data/planetoid",
+        root: str | os.PathLike = "data/planetoid",
         name: str = "Cora",
         split: Literal["public", "full", "geom-gcn", "random"] = "public",
-        cache_dir: str | None = None,
+        download: bool = False,
     ):
         super().__init__()
         if name not in PLANETOID_NAMES:
@@ -153,38 +153,36 @@ class PlanetoidDataModule(pl.LightningDataModule):
         self.root = Path(root)
         self.name = name
         self.split = split
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+        self.download = download
         self.data: Data | None = None
         self.num_features: int | None = None
         self.num_classes: int | None = None
-
-    def _writable_root(self) -> Path:
-        """``root`` if PyG may write ``processed/`` there, else ``cache_dir`` with the raw files."""
-        if _writable(self.root / self.name):
-            return self.root
-        raw = self.root / self.name / "raw"
-        cached_raw = self.cache_dir / self.name / "raw"
-        if raw.is_dir() and not cached_raw.is_dir():
-            # Copy to a sibling first and rename: an interrupted copy never looks complete.
-            # File contents only: the copies must not inherit the read-only permissions.
-            partial = cached_raw.with_name("raw.part")
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-            for file in raw.iterdir():
-                shutil.copyfile(file, partial / file.name)
-            partial.rename(cached_raw)
-        return self.cache_dir
+        # Checked here, not at prepare_data, so a wrong path fails before a model is built
+        # (and before PyG creates folders for a download that cannot happen offline).
+        if not download:
+            expected = _ReadOnlyPlanetoid.expected_raw_files(self.root, name, split)
+            missing = [path for path in expected if not path.is_file()]
+            if missing:
+                raise FileNotFoundError(
+                    f"root={str(root)!r} does not hold the {name} files ({missing[0]} is missing); "
+                    f"set root to the folder holding {name}/, or download=true to fetch them there"
+                )
 
     def prepare_data(self) -> None:
-        Planetoid(str(self._writable_root()), self.name, split=self.split)
+        if self.download:
+            self._load()
 
     def setup(self, stage: str) -> None:
         if self.data is not None:
             return
-        dataset = Planetoid(str(self._writable_root()), self.name, split=self.split)
+        dataset = self._load()
         self.data = dataset[0]
         self.num_features = dataset.num_features
         self.num_classes = dataset.num_classes
+
+    def _load(self) -> Planetoid:
+        with tempfile.TemporaryDirectory(prefix="planetoid-") as processed:
+            return _ReadOnlyPlanetoid(self.root, Path(processed), self.name, self.split)
 
     def _whole_graph(self) -> DataLoader:
         # batch_size=None: the loader yields the graph itself, not a one-element batch of it.
@@ -200,21 +198,33 @@ class PlanetoidDataModule(pl.LightningDataModule):
         return self._whole_graph()
 
 
+class _ReadOnlyPlanetoid(Planetoid):
+    """PyG's Planetoid reading ``raw/`` under ``root`` but writing ``processed/`` elsewhere."""
+
+    def __init__(self, root: Path, processed_root: Path, name: str, split: str):
+        self.processed_root = processed_root
+        super().__init__(str(root), name, split=split)
+
+    @property
+    def processed_dir(self) -> str:
+        return str(self.processed_root / Path(super().processed_dir).relative_to(self.root))
+
+    # The processed copy is rebuilt on every run: PyG's "Processing... Done!" would be noise.
+    @property
+    def log(self) -> bool:
+        return False
+
+    @log.setter
+    def log(self, value: bool) -> None:
+        pass
+
+    @classmethod
+    def expected_raw_files(cls, root: Path, name: str, split: str) -> list[Path]:
+        """The raw files PyG reads for this data set and split (its own layout, nothing loaded)."""
+        layout = cls.__new__(cls)
+        layout.root, layout.name, layout.split = str(root), name, split.lower()
+        return [Path(path) for path in layout.raw_paths]
+
+
 def _identity(data: Data) -> Data:
     return data
-
-
-def _writable(path: Path) -> bool:
-    """Whether ``path`` (or, if missing, the folder it would be created in) may be written.
-
-    The permission bits count even for root, who may write anywhere: a folder marked
-    read-only holds shared data that must not change under other users.
-    """
-    while not path.exists():
-        path = path.parent
-    return os.access(path, os.W_OK) and bool(path.stat().st_mode & 0o222)
-
-
-def _default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "lightning_act" / "planetoid"

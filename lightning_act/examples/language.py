@@ -8,6 +8,7 @@ Shakespeare a byte is a character.
 from __future__ import annotations
 
 import math
+import os
 import urllib.request
 from pathlib import Path
 
@@ -207,7 +208,8 @@ class CharTextDataModule(SplitDataModule):
         block_size: bytes per training window; the model's ``block_size`` must be at least
             this.
         batch_size: windows per batch.
-        num_workers: data loader worker processes.
+        num_workers: data loader worker processes; ``None``: one per available CPU core,
+            less one.
         train_fraction: leading share of the text used for training; the rest validates
             (and tests).
 
@@ -217,12 +219,12 @@ class CharTextDataModule(SplitDataModule):
 
     def __init__(
         self,
-        path: str = "data/tinyshakespeare/input.txt",
+        path: str | os.PathLike = "data/tinyshakespeare/input.txt",
         download: bool = False,
         url: str = TINY_SHAKESPEARE_URL,
         block_size: int = 128,
         batch_size: int = 64,
-        num_workers: int = 0,
+        num_workers: int | None = 0,
         train_fraction: float = 0.9,
     ):
         super().__init__(batch_size, num_workers)
@@ -237,7 +239,7 @@ class CharTextDataModule(SplitDataModule):
         self.train_fraction = train_fraction
         # Checked here, not at prepare_data, so a wrong path fails before a model is built.
         if not download and not self.path.is_file():
-            raise FileNotFoundError(f"path={path!r} does not exist; set download=true to fetch {url} there")
+            raise FileNotFoundError(f"path={str(path)!r} does not exist; set download=true to fetch {url} there")
 
     def prepare_data(self) -> None:
         if self.path.is_file():

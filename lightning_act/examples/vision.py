@@ -7,6 +7,7 @@ These are ordinary Lightning classes, reusable without the rest of the library; 
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -159,7 +160,8 @@ class CIFAR10DataModule(SplitDataModule):
     Args:
         data_dir: folder holding the packed files or torchvision's layout.
         batch_size: images per batch.
-        num_workers: data loader worker processes.
+        num_workers: data loader worker processes; ``None``: one per available CPU core,
+            less one.
         download: fetch torchvision's copy into ``data_dir`` when neither layout is there.
         limit: use only this many images of each split: a fixed random subset, drawn
             across the whole split (the files are sorted by class, a prefix would not be).
@@ -170,9 +172,9 @@ class CIFAR10DataModule(SplitDataModule):
 
     def __init__(
         self,
-        data_dir: str = "data/cifar10",
+        data_dir: str | os.PathLike = "data/cifar10",
         batch_size: int = 128,
-        num_workers: int = 2,
+        num_workers: int | None = None,
         download: bool = False,
         limit: int | None = None,
     ):
@@ -193,7 +195,7 @@ class CIFAR10DataModule(SplitDataModule):
         # Checked here, not at prepare_data, so a wrong path fails before a model is built.
         if not download and not self._available():
             raise FileNotFoundError(
-                f"data_dir={data_dir!r} holds neither {' and '.join(PACKED_CIFAR10.values())} nor torchvision's "
+                f"data_dir={str(data_dir)!r} holds neither {' and '.join(PACKED_CIFAR10.values())} nor torchvision's "
                 "cifar-10-batches-py/; set download=true to fetch CIFAR-10 there"
             )
 
@@ -288,7 +290,8 @@ class SyntheticImageDataModule(SplitDataModule):
             and only features pooled over the image separate the classes.
         max_shift: largest shift in pixels, each axis, wrapping around the border.
         batch_size: images per batch.
-        num_workers: data loader worker processes.
+        num_workers: data loader worker processes; ``None``: one per available CPU core,
+            less one.
         seed: seeds the patterns and the samples.
     """
 
@@ -301,7 +304,7 @@ class SyntheticImageDataModule(SplitDataModule):
         noise: float = 1.0,
         max_shift: int = 4,
         batch_size: int = 64,
-        num_workers: int = 0,
+        num_workers: int | None = 0,
         seed: int = 0,
     ):
         super().__init__(batch_size, num_workers)
