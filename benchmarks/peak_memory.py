@@ -175,17 +175,26 @@ def build(name: str, batch: int, device: torch.device, data_dir: Path) -> Worklo
 
 # --------------------------------------------------------------------------- methods
 class Method:
-    """No compression; subclasses wrap the forward in their saved-tensor handling."""
+    """No compression; subclasses handle saved tensors from :meth:`start` (before the
+    forward) to :meth:`finish` (after the backward)."""
 
     def prepare(self, workload: Workload) -> None:
         """One-off work before the measured step (the adaptive policy's calibration)."""
 
-    def forward_context(self, workload: Workload) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+    def start(self, workload: Workload) -> None:
+        """The forward begins."""
+
+    def before_backward(self) -> None:
+        """The forward is done; backward begins."""
+
+    def finish(self) -> None:
+        """Backward is done."""
 
 
 class Compression(Method):
-    """This library: ``bits`` for every tensor, or the adaptive policy at a ``budget``."""
+    """This library: ``bits`` for every tensor, or the adaptive policy at a ``budget``,
+    armed and paused exactly as :class:`~lightning_act.ActCompression` does: capture starts
+    before the forward, pauses for the backward and stops after it."""
 
     def __init__(self, bits: int = 2, budget: float | None = None):
         self.bits = bits
@@ -200,24 +209,43 @@ class Compression(Method):
             sample = workload.leading_rows(PROBE_SAMPLES)
             self.capture.calibrate(lambda: workload.loss(sample), inputs=sample)
 
-    def forward_context(self, workload: Workload) -> contextlib.AbstractContextManager:
-        return self.capture.capturing(inputs=workload.batch)
+    def start(self, workload: Workload) -> None:
+        self.capture.start(inputs=workload.batch)
+
+    def before_backward(self) -> None:
+        self.capture.pause()
+
+    def finish(self) -> None:
+        self.capture.resume()
+        self.capture.stop()
 
 
 class _Nothing:
     """What the limit keeps of a saved tensor: its layout, no data."""
 
-    __slots__ = ("size", "stride", "dtype", "device")
+    __slots__ = ("size", "order", "broadcast", "dtype", "device")
 
     def __init__(self, t: torch.Tensor):
-        self.size, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
+        self.size, self.dtype, self.device = t.shape, t.dtype, t.device
+        #: Dimensions from the outermost in memory to the innermost, and the broadcast ones.
+        self.order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+        self.broadcast = {d for d in range(t.dim()) if t.stride(d) == 0}
+
+    def empty(self) -> torch.Tensor:
+        """An uninitialised tensor of the saved one's shape and memory order, holding each of
+        its distinct elements once: a view into a larger buffer (q, k, v of a fused
+        projection) comes back dense, as any codec must decode it."""
+        stored = [1 if d in self.broadcast else self.size[d] for d in self.order]
+        dense = torch.empty(stored, dtype=self.dtype, device=self.device)
+        inverse = sorted(range(len(self.order)), key=self.order.__getitem__)
+        return dense.permute(inverse).expand(self.size)
 
 
 class Limit(Method):
     """Every saved float tensor that is not a parameter or the batch is stored as nothing
     and re-created empty at unpack: the floor of any saved-tensor compression."""
 
-    def forward_context(self, workload: Workload) -> contextlib.AbstractContextManager:
+    def start(self, workload: Workload) -> None:
         alive = {p.untyped_storage().data_ptr() for p in workload.model.parameters()}
         alive |= {b.untyped_storage().data_ptr() for b in workload.model.buffers()}
         alive |= {t.untyped_storage().data_ptr() for t in _tensors(workload.batch)}
@@ -228,11 +256,14 @@ class Limit(Method):
             return _Nothing(t)
 
         def unpack(saved):
-            if isinstance(saved, torch.Tensor):
-                return saved
-            return torch.empty_strided(saved.size, saved.stride, dtype=saved.dtype, device=saved.device)
+            return saved if isinstance(saved, torch.Tensor) else saved.empty()
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        self.hooks.__enter__()
+
+    def before_backward(self) -> None:
+        # Each saved tensor keeps its own unpack hook: the hooks are needed at pack time only.
+        self.hooks.__exit__(None, None, None)
 
 
 def _tensors(obj) -> Iterator[torch.Tensor]:
@@ -273,9 +304,11 @@ class StepMemory:
 
 def train_step(workload: Workload, method: Method) -> None:
     workload.model.zero_grad(set_to_none=True)
-    with method.forward_context(workload):
-        loss = workload.loss()
+    method.start(workload)
+    loss = workload.loss()
+    method.before_backward()
     loss.backward()
+    method.finish()
 
 
 def measure_step(workload: Workload, method: Method, device: torch.device, timeline: bool = False) -> StepMemory:
@@ -285,11 +318,13 @@ def measure_step(workload: Workload, method: Method, device: torch.device, timel
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
-        with method.forward_context(workload):
-            loss = workload.loss()
+        method.start(workload)
+        loss = workload.loss()
+        method.before_backward()
         torch.cuda.synchronize(device)
         kept = torch.cuda.memory_allocated(device) - start
         loss.backward()
+        method.finish()
         torch.cuda.synchronize(device)
         return StepMemory(kept, torch.cuda.max_memory_allocated(device) - start)
     names = {module: name or type(module).__name__ for name, module in workload.model.named_modules()}
@@ -297,9 +332,12 @@ def measure_step(workload: Workload, method: Method, device: torch.device, timel
         prof = stack.enter_context(profile(activities=[ProfilerActivity.CPU], profile_memory=True))
         if timeline:
             stack.enter_context(_module_ranges(names))
-        with record_function(FORWARD_RANGE), method.forward_context(workload):
+        with record_function(FORWARD_RANGE):
+            method.start(workload)
             loss = workload.loss()
+            method.before_backward()
         loss.backward()
+        method.finish()
     return replay(prof.profiler.kineto_results.experimental_event_tree())
 
 
