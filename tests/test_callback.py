@@ -195,12 +195,15 @@ def test_batch_size_finder_runs_with_the_callback(tmp_path):
         def train_dataloader(self):
             return DataLoader(make_images(n=4096), batch_size=self.batch_size)
 
+        def val_dataloader(self):
+            return DataLoader(make_images(n=64), batch_size=64)
+
     callback = ActCompression(bits=2)
     model = Tunable()
     trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=4, logger=False, callbacks=[callback],
                         enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
-    found = Tuner(trainer).scale_batch_size(model, mode="power", steps_per_trial=2, max_trials=4)
-    assert found == model.batch_size >= 16 * 2**3  # every trial fits: the finder doubled each time
+    found = Tuner(trainer).scale_batch_size(model, mode="power", init_val=16, steps_per_trial=2, max_trials=4)
+    assert found == model.batch_size == 16 * 2**3  # every trial fits: the finder doubled each time
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # no hooks left behind
     trainer.fit(model)
     assert callback.last_report.counts["compressed"] >= 4
