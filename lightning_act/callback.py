@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from lightning_act.capture import ActivationCapture, CompressionReport, splitmix64
 from lightning_act.config import CompressionConfig
-from lightning_act.monitor import log_allocation, module_mean_bits
+from lightning_act.monitor import MIB, StepPeakMemory, log_allocation, log_module_memory, module_mean_bits
 from lightning_act.ops import ensure_kernels
 from lightning_act.policy import AdaptiveBits, FixedBits
 from lightning_act.policy.estimators import GradientSensitivity
@@ -32,8 +32,17 @@ class ActCompression(Callback):
     Capture is armed from ``on_train_batch_start`` to ``on_train_batch_end`` and paused
     between ``on_before_backward`` and ``on_after_backward``, so it covers automatic and
     manual optimization, gradient accumulation and optimizer closures; validation and
-    test are never touched. Every ``log_every_n_steps`` the memory figures of the last
-    training step go to the trainer's loggers under ``act/``.
+    test are never touched.
+
+    Logged under ``act/``: every step, ``saved_mib`` (what the forward's saved tensors would
+    have kept), ``stored_mib`` (what is stored instead), ``compression_ratio`` and
+    ``peak_mib``, the step's peak memory (forward, backward and optimizer step; absolute, so
+    the model and optimizer state are in it): ``torch.cuda.max_memory_allocated`` on a GPU,
+    whose peak statistics are reset at every step start; on a Linux CPU the process's
+    resident-memory high-water mark, which includes what the C allocator caches; absent
+    elsewhere. Every ``log_every_n_steps``, per module: ``saved_mib/<module>``,
+    ``stored_mib/<module>`` and ``bits/<module>`` (element-weighted mean bits), for every
+    policy. The end-of-fit summary states the last step's memory per module and the peak.
 
     With ``budget`` set, each saved tensor gets its own bits (1, 2, 4, 8 or exact) chosen to
     minimise the estimated gradient variance at that average: the allocation is solved
@@ -133,6 +142,16 @@ class ActCompression(Callback):
         self._history_steps: list[int] = []
         self._fit_started = 0.0
         self._warned_nonfinite = False
+        self._step_peak: StepPeakMemory | None = None
+        #: The last training step's peak memory in bytes (None where it cannot be measured).
+        self.last_peak_bytes: int | None = None
+        #: The largest step peak of this fit, in bytes.
+        self.max_peak_bytes: int | None = None
+        #: The last training step's peak before its backward began, in bytes.
+        self.last_forward_peak_bytes: int | None = None
+        # A recalibration's table waits for the first step run under its bits: its shapes and
+        # stored bytes are then the batch's and those bits' own.
+        self._pending_allocation: tuple[int, dict[str, dict[int, float]], dict[str, float]] | None = None
 
     @property
     def adaptive(self) -> bool:
@@ -149,6 +168,7 @@ class ActCompression(Callback):
         if stage != "fit":
             return
         self.capture = ActivationCapture(self.config, pl_module, self.policy)
+        self._step_peak = StepPeakMemory(trainer.strategy.root_device)
         ensure_kernels(trainer.strategy.root_device)
         _warn_about_compiled_regions(pl_module)
 
@@ -183,12 +203,14 @@ class ActCompression(Callback):
         # Reproducible per step and distinct per rank and micro-batch: resuming a run
         # replays the same rounding noise, and ranks do not share (correlated) noise.
         stream = splitmix64((trainer.global_step << 24) ^ (batch_idx << 8) ^ trainer.global_rank)
+        self._step_peak.start()  # after the probes: their memory is not the step's
         self.capture.start(inputs=batch, seed=splitmix64(self.config.seed ^ stream))
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss) -> None:
         if self.capture is not None:
             self.capture.pause()
+            self.last_forward_peak_bytes = self._step_peak.peak_bytes()
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -201,16 +223,18 @@ class ActCompression(Callback):
             return
         report = self.capture.stop()
         self.last_report = report
-        pl_module.log_dict(
-            {
-                f"{LOG_PREFIX}/saved_mib": report.saved_bytes / 2**20,
-                f"{LOG_PREFIX}/stored_mib": report.stored_bytes / 2**20,
-                f"{LOG_PREFIX}/compression_ratio": report.ratio,
-            },
-            on_step=True,
-            on_epoch=False,
-            batch_size=1,
-        )
+        figures = {
+            f"{LOG_PREFIX}/saved_mib": report.saved_bytes / MIB,
+            f"{LOG_PREFIX}/stored_mib": report.stored_bytes / MIB,
+            f"{LOG_PREFIX}/compression_ratio": report.ratio,
+        }
+        self.last_peak_bytes = self._step_peak.peak_bytes()
+        if self.last_peak_bytes is not None:
+            self.max_peak_bytes = max(self.max_peak_bytes or 0, self.last_peak_bytes)
+            figures[f"{LOG_PREFIX}/peak_mib"] = self.last_peak_bytes / MIB
+        pl_module.log_dict(figures, on_step=True, on_epoch=False, batch_size=1)
+        if self._pending_allocation is not None:
+            self._log_allocation(trainer, report)
         if self._calibration_end is not None and trainer.global_step >= self._calibration_end:
             started = time.perf_counter()
             sensitivity = self._gradient_estimate.sensitivities()
@@ -219,6 +243,8 @@ class ActCompression(Callback):
             self._solve(trainer, sensitivity, started)
         if (trainer.global_step + 1) % max(trainer.log_every_n_steps, 1) == 0:
             self._report_nonfinite(pl_module)
+            if trainer.is_global_zero:
+                log_module_memory(trainer.loggers, LOG_PREFIX, trainer.global_step, report, self.capture.slots)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -226,9 +252,39 @@ class ActCompression(Callback):
             self.capture.close()
 
     @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending_allocation is not None:
+            # No step ran under the last allocation: its table has bits but no bytes.
+            self._log_allocation(trainer, CompressionReport())
+
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.last_report.saved_bytes:
-            rank_zero_info(f"lightning_act: activation memory of the last training step\n{self.last_report.summary()}")
+        if not self.last_report.saved_bytes:
+            return
+        report = self.last_report
+        lines = [
+            "lightning_act: activation memory of the last training step",
+            report.summary(),
+            f"kept for backward: {report.stored_bytes / MIB:.2f} MiB stored instead of {report.saved_bytes / MIB:.2f} "
+            f"MiB ({report.ratio:.2f}x)",
+        ]
+        if self.last_peak_bytes is None:
+            lines.append("step peak: not measured on this device")
+        else:
+            lines.append(
+                f"step peak ({self._step_peak.source}): {self.last_peak_bytes / MIB:.2f} MiB in the last step, "
+                f"{self.max_peak_bytes / MIB:.2f} MiB at most; compressing saved activations lowers the peak less "
+                "than the kept memory, since parameters, gradients, optimizer state and backward's buffers stay"
+            )
+            # Only the device allocator's counters tell where the peak lies: the C allocator
+            # on a CPU keeps freed memory resident, so backward reuses it unseen.
+            forward_peak = self.last_forward_peak_bytes if self._step_peak.exact else None
+            if forward_peak is not None and forward_peak >= 0.99 * self.last_peak_bytes:
+                lines.append(
+                    "the peak is reached in the forward pass (a large transient there, such as a graph layer's "
+                    "gathered messages), before backward reads anything saved: compression cannot lower it"
+                )
+        rank_zero_info("\n".join(lines))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -261,22 +317,25 @@ class ActCompression(Callback):
         self.recalibration_ms += elapsed_ms
         self._history.append(module_mean_bits(self.policy.assignment, slots))
         self._history_steps.append(trainer.global_step)
+        training_ms = max((time.perf_counter() - self._fit_started) * 1e3, 1e-9)
+        cost = {"recalibration_ms": elapsed_ms, "recalibration_pct": 100.0 * self.recalibration_ms / training_ms}
+        self._pending_allocation = (trainer.global_step, sensitivity, cost)
+
+    def _log_allocation(self, trainer: pl.Trainer, report: CompressionReport) -> None:
+        step, sensitivity, cost = self._pending_allocation
+        self._pending_allocation = None
         if trainer.is_global_zero:
-            training_ms = max((time.perf_counter() - self._fit_started) * 1e3, 1e-9)
             log_allocation(
                 trainer.loggers,
                 LOG_PREFIX,
-                trainer.global_step,
+                step,
                 self.policy.assignment,
-                slots,
+                self.capture.slots,
                 sensitivity,
-                self.last_report,
+                report,
                 self._history,
                 self._history_steps,
-                {
-                    "recalibration_ms": elapsed_ms,
-                    "recalibration_pct": 100.0 * self.recalibration_ms / training_ms,
-                },
+                cost,
             )
 
     def _report_nonfinite(self, pl_module: pl.LightningModule) -> None:

@@ -1,4 +1,5 @@
-"""What goes to the loggers: per-module bits, the allocation table, and a bits heatmap.
+"""What goes to the loggers: the step's peak memory, per-module memory and bits, the
+allocation table, and a bits heatmap.
 
 Scalars go to every Lightning logger; histograms, text and images only to TensorBoard
 loggers (other loggers have no common API for them). Keys share one prefix.
@@ -6,7 +7,9 @@ loggers (other loggers have no common API for them). Keys share one prefix.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,6 +18,96 @@ from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning_act.capture import CompressionReport
 from lightning_act.policy import SlotInfo
 from lightning_act.policy.bits import bits_name
+
+MIB = 2**20
+_PROC_STATUS = Path("/proc/self/status")
+_PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+class StepPeakMemory:
+    """The peak memory of one training step, measured at almost no cost.
+
+    * CUDA: ``torch.cuda.max_memory_allocated`` since :meth:`start`, which resets the
+      device's peak statistics (so a ``max_memory_allocated`` read elsewhere also covers
+      the current step only): every live tensor counted, the allocator's cache not.
+    * CPU on Linux: the process's resident-memory high-water mark (``VmHWM``) since
+      :meth:`start`, which resets it through ``/proc/self/clear_refs``: everything the
+      process holds, memory the C allocator keeps for reuse included, so it reads higher
+      than the live tensors alone. Two reads of ``/proc`` per step.
+    * Elsewhere (other devices, no writable ``/proc``): no figure, ``peak_bytes()`` is None.
+
+    The figure is absolute (model, optimizer state and batch included), as the memory a
+    device must hold for the step to fit.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            self.source = "torch.cuda.max_memory_allocated"
+        elif device.type == "cpu" and _resident_high_water_mark() is not None and _reset_high_water_mark():
+            self.source = "resident high-water mark (VmHWM)"
+        else:
+            self.source = None
+
+    @property
+    def exact(self) -> bool:
+        """Whether the figure counts live tensors only (the CUDA allocator's counters)."""
+        return self.device.type == "cuda"
+
+    def start(self) -> None:
+        """Begin a step: the peak from now on."""
+        if self.source is None:
+            return
+        if self.exact:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            _reset_high_water_mark()
+
+    def peak_bytes(self) -> int | None:
+        """The highest memory since :meth:`start` (None where it cannot be measured)."""
+        if self.source is None:
+            return None
+        if self.exact:
+            return torch.cuda.max_memory_allocated(self.device)
+        return _resident_high_water_mark()
+
+
+def _resident_high_water_mark() -> int | None:
+    try:
+        found = re.search(r"^VmHWM:\s+(\d+) kB", _PROC_STATUS.read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return None if found is None else int(found.group(1)) * 1024
+
+
+def _reset_high_water_mark() -> bool:
+    """Set VmHWM to the current resident size (Linux >= 4.0: mode 5 touches nothing else)."""
+    try:
+        _PROC_CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def module_memory_scalars(prefix: str, report: CompressionReport, slots: Mapping[str, SlotInfo]) -> dict[str, float]:
+    """Per module: MiB its saved tensors would have kept, MiB stored instead, and the
+    element-weighted mean bits of its compressed float tensors (for every policy)."""
+    scalars: dict[str, float] = {}
+    for module, memory in report.modules.items():
+        scalars[f"{prefix}/saved_mib/{module}"] = memory.saved_bytes / MIB
+        scalars[f"{prefix}/stored_mib/{module}"] = memory.stored_bytes / MIB
+    used = {slot: memory.bits for slot, memory in report.slots.items()}
+    scalars.update({f"{prefix}/bits/{module}": bits for module, bits in module_mean_bits(used, slots).items()})
+    return scalars
+
+
+def log_module_memory(
+    loggers: Sequence[Logger], prefix: str, step: int, report: CompressionReport, slots: Mapping[str, SlotInfo]
+) -> None:
+    """Log one step's per-module memory and bits (see :func:`module_memory_scalars`)."""
+    scalars = module_memory_scalars(prefix, report, slots)
+    for logger in loggers:
+        logger.log_metrics(scalars, step=step)
 
 
 def module_mean_bits(assignment: Mapping[str, int | None], slots: Mapping[str, SlotInfo]) -> dict[str, float]:
@@ -39,7 +132,10 @@ def allocation_table(
 ) -> str:
     """A markdown table: slot, module, the op that saved it, shape, bits, codec, bytes kept vs
     stored, and the estimated variance the tensor adds at 2 bits (its sensitivity) and at its
-    chosen bits, in the estimator's units (see :mod:`lightning_act.policy.estimators`)."""
+    chosen bits, in the estimator's units (see :mod:`lightning_act.policy.estimators`).
+
+    Shapes, codecs and bytes are ``report``'s: pass the report of a step that ran under
+    ``assignment``, so that they are the batch's and the bits' own."""
     lines = [
         "| tensor | module | op | shape | bits | codec | saved KiB | stored KiB | variance at 2 bits | at its bits |",
         "|---|---|---|---|---|---|---:|---:|---:|---:|",
@@ -52,10 +148,11 @@ def allocation_table(
         saved = f"{memory.saved_bytes / 1024:.1f}" if memory else "-"
         stored = f"{memory.stored_bytes / 1024:.1f}" if memory else "-"
         codec = memory.codec if memory else "-"
+        shape = memory.shape if memory else info.shape
         table = variance.get(slot, {})
         at_bits = 0.0 if bits is None else table.get(bits, float("nan"))
         lines.append(
-            f"| {slot} | {info.module} | {info.op or '-'} | {'x'.join(map(str, info.shape))} | {bits_name(bits)} "
+            f"| {slot} | {info.module} | {info.op or '-'} | {'x'.join(map(str, shape))} | {bits_name(bits)} "
             f"| {codec} | {saved} | {stored} | {table.get(2, float('nan')):.3e} | {at_bits:.3e} |"
         )
     return "\n".join(lines)
@@ -98,11 +195,10 @@ def log_allocation(
     history_steps: Sequence[int],
     cost: Mapping[str, float],
 ) -> None:
-    """Log one recalibration: scalars everywhere, media to TensorBoard."""
-    per_module = module_mean_bits(assignment, slots)
-    scalars = {f"{prefix}/bits/{module}": bits for module, bits in per_module.items()}
-    scalars.update({f"{prefix}/{key}": value for key, value in cost.items()})
-    if per_module:
+    """Log one recalibration: its cost and mean bits everywhere, media to TensorBoard (the
+    bits per module are logged with the memory, :func:`log_module_memory`)."""
+    scalars = {f"{prefix}/{key}": value for key, value in cost.items()}
+    if any(s in slots for s in assignment):
         total = sum(slots[s].numel for s in assignment if s in slots)
         scalars[f"{prefix}/mean_bits"] = (
             sum((slots[s].element_bits if b is None else b) * slots[s].numel for s, b in assignment.items() if s in slots)

@@ -145,3 +145,67 @@ def test_invalid_settings_name_the_knob():
         ActCompression(bits=3)
     with pytest.raises(ValueError, match="min_numel=-1"):
         ActCompression(min_numel=-1)
+
+
+def test_logs_the_step_peak_and_per_module_memory_for_fixed_bits(tmp_path):
+    callback = ActCompression(bits=2)
+    fit(SmallCNN(), [callback], tmp_path, limit_val_batches=0)
+    report = callback.last_report
+    compressed = [name for name, m in report.modules.items() if m.compressed]
+    assert compressed
+    for name, memory in report.modules.items():
+        assert logged(tmp_path, f"act/stored_mib/{name}")[-1] == pytest.approx(memory.stored_bytes / 2**20, rel=1e-6)
+        assert logged(tmp_path, f"act/saved_mib/{name}")[-1] == pytest.approx(memory.saved_bytes / 2**20, rel=1e-6)
+    for name in compressed:
+        assert logged(tmp_path, f"act/bits/{name}")[-1] == 2.0
+    total = sum(logged(tmp_path, f"act/stored_mib/{name}")[-1] for name in report.modules)
+    assert total == pytest.approx(logged(tmp_path, "act/stored_mib")[-1], rel=1e-6)
+    if callback._step_peak.source is None:
+        pytest.skip("no step peak on this platform (needs a GPU or Linux /proc)")
+    peaks = logged(tmp_path, "act/peak_mib")
+    assert len(peaks) == 6
+    # Absolute: the process holds at least the model, the batch and what the step stored.
+    assert min(peaks) * 2**20 > report.stored_bytes
+    assert callback.max_peak_bytes == pytest.approx(max(peaks) * 2**20, rel=1e-6)
+
+
+def test_fit_summary_states_kept_memory_and_peak(tmp_path, caplog):
+    callback = ActCompression(bits=2)
+    with caplog.at_level("INFO"):
+        fit(SmallCNN(), [callback], tmp_path, limit_val_batches=0)
+    summary = next(r.getMessage() for r in caplog.records if "activation memory of the last" in r.getMessage())
+    report = callback.last_report
+    assert f"kept for backward: {report.stored_bytes / 2**20:.2f} MiB stored instead of" in summary
+    if callback.last_peak_bytes is None:
+        assert "step peak: not measured on this device" in summary
+    else:
+        assert f"{callback.last_peak_bytes / 2**20:.2f} MiB in the last step" in summary
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_batch_size_finder_runs_with_the_callback(tmp_path):
+    from lightning.pytorch.tuner import Tuner
+
+    class Tunable(SmallCNN):
+        def __init__(self):
+            super().__init__()
+            self.batch_size = 16
+
+        def train_dataloader(self):
+            return DataLoader(make_images(n=4096), batch_size=self.batch_size)
+
+        def val_dataloader(self):
+            return DataLoader(make_images(n=64), batch_size=64)
+
+    callback = ActCompression(bits=2)
+    model = Tunable()
+    trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=4, logger=False, callbacks=[callback],
+                        enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
+    found = Tuner(trainer).scale_batch_size(model, mode="power", init_val=16, steps_per_trial=2, max_trials=4)
+    assert found == model.batch_size == 16 * 2**3  # every trial fits: the finder doubled each time
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # no hooks left behind
+    trainer.fit(model)
+    assert callback.last_report.counts["compressed"] >= 4
+    assert callback.last_report.slots and all(m.shape[0] == found for m in callback.last_report.slots.values()
+                                              if len(m.shape) == 4)

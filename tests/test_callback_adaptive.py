@@ -114,3 +114,31 @@ def test_adaptive_settings_are_validated():
         ActCompression(budget=2.0, recalibrate_every_n_steps=0)
     with pytest.raises(ValueError, match="budget=9 must be a number of bits in"):
         ActCompression(budget=9)
+
+
+def test_allocation_table_shows_the_batch_and_the_bytes_of_its_bits(tmp_path):
+    callback = ActCompression(budget=2.0, estimator="probe", probe_samples=8, warmup_steps=2,
+                              recalibrate_every_n_steps=100, min_numel=256)
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    trainer = trainer_for(tmp_path, [callback], 5, logger=logger, enable_checkpointing=False, log_every_n_steps=1)
+    trainer.fit(SmallCNN(), loader())
+    events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0, "scalars": 0})
+    events.Reload()
+    table = events.Tensors("act/allocation/text_summary")[-1].tensor_proto.string_val[0].decode()
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    assert len(rows) == len(callback.policy.assignment)
+    report = callback.last_report  # the end-of-fit table: same bits (no recalibration since)
+    widths = set()
+    for row in rows:
+        slot, shape, bits, stored = row[0].lstrip("| "), row[3], row[4], float(row[7])
+        memory = report.slots[slot]
+        assert shape == "x".join(map(str, memory.shape))
+        assert shape.startswith("32x")  # the batch's rows, not the probes' 8
+        assert stored == pytest.approx(memory.stored_bytes / 1024, abs=0.05)
+        widths.add(bits)
+    assert len(widths) > 1  # several bit widths, each with its own stored bytes
+    stored_by_bits = {}
+    for row in rows:
+        stored_by_bits.setdefault(row[4], set()).add(float(row[7]) / float(row[6]))
+    ratios = sorted((min(v), k) for k, v in stored_by_bits.items() if k != "exact")
+    assert [int(k) for _, k in ratios] == sorted(int(k) for _, k in ratios)  # more bits, more bytes per value

@@ -57,8 +57,10 @@ class StoredTensor:
         return _no_stats(self.tensor.device)
 
     def unpack(self) -> torch.Tensor:
-        """A new contiguous copy."""
-        return self.tensor.clone(memory_format=torch.contiguous_format)
+        """The tensor itself. Backward only reads what it unpacks, as it reads the tensors
+        autograd keeps without hooks; a copy would hold the tensor twice while it runs
+        (an LSTM's oneDNN workspace, for one, is stored this way)."""
+        return self.tensor
 
 
 class MaskTensor:
