@@ -118,3 +118,13 @@ def test_the_toolkit_probe_stays_quiet_on_machines_without_gpu(monkeypatch, tmp_
     finally:
         torch_logger.removeHandler(caplog.handler)
     assert not [record for record in caplog.records if "No CUDA runtime" in record.getMessage()]
+
+
+@pytest.mark.skipif(extension.fcntl is None, reason="needs POSIX file locks")
+def test_a_killed_build_does_not_hang_the_next(tmp_path):
+    # torch waits without end for the lock file a killed build left behind.
+    (tmp_path / "lock").write_text("")
+    with extension._exclusive_build(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        (tmp_path / "lock").write_text("")  # a build under way: not ours to remove
+    assert (tmp_path / "lock").exists()

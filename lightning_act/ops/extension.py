@@ -32,6 +32,7 @@ set. CI uses it to check the CUDA kernels on machines without GPUs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import logging
 import os
@@ -40,6 +41,11 @@ import threading
 import time
 import warnings
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: torch's own lock file alone guards the build
+    fcntl = None
 
 import torch
 
@@ -176,22 +182,45 @@ def build_kernels(device_type: str) -> Path:
         )
     started = time.perf_counter()
     build_dir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=name,
-        sources=[str(path) for path in sources],
-        extra_cflags=cflags,
-        extra_cuda_cflags=cuda_flags,
-        extra_ldflags=ldflags,
-        extra_include_paths=[str(_SOURCE_DIR)],
-        build_directory=str(build_dir),
-        with_cuda=device_type == "cuda",
-        is_python_module=False,
-        verbose=False,
-    )
+    with _exclusive_build(build_dir):
+        cpp_extension.load(
+            name=name,
+            sources=[str(path) for path in sources],
+            extra_cflags=cflags,
+            extra_cuda_cflags=cuda_flags,
+            extra_ldflags=ldflags,
+            extra_include_paths=[str(_SOURCE_DIR)],
+            build_directory=str(build_dir),
+            with_cuda=device_type == "cuda",
+            is_python_module=False,
+            verbose=False,
+        )
     if not cached:
         elapsed = time.perf_counter() - started
         _LOGGER.warning("lightning_act: built the fused %s kernels in %.1f s", device_type, elapsed)
     return build_dir
+
+
+@contextlib.contextmanager
+def _exclusive_build(build_dir: Path):
+    """Holds an OS lock on ``build_dir`` while torch builds or loads there.
+
+    torch guards a build with a plain ``lock`` file and waits, without end, for whoever made
+    it to delete it; a build that was killed (Ctrl-C, a timeout, an OOM kill) never does, and
+    every later run would hang. An OS lock dies with its process, so once this process holds
+    it no other build of this package is running in ``build_dir``, and a ``lock`` file still
+    there is such a leftover: it is removed.
+    """
+    if fcntl is None:
+        yield
+        return
+    with open(build_dir / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _cpp_extension():
