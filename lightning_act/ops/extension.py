@@ -205,11 +205,11 @@ def build_kernels(device_type: str) -> Path:
 def _exclusive_build(build_dir: Path):
     """Holds an OS lock on ``build_dir`` while torch builds or loads there.
 
-    torch guards a build with a plain ``lock`` file and waits, without end, for whoever made
-    it to delete it; a build that was killed (Ctrl-C, a timeout, an OOM kill) never does, and
-    every later run would hang. An OS lock dies with its process, so once this process holds
-    it no other build of this package is running in ``build_dir``, and a ``lock`` file still
-    there is such a leftover: it is removed.
+    torch releases before 2.14 guard a build with a plain ``lock`` file and wait, without
+    end, for whoever made it to delete it; a build that was killed (Ctrl-C, a timeout, an
+    OOM kill) never does, and every later run would hang. An OS lock dies with its process,
+    so once this process holds it no other build of this package is running in
+    ``build_dir``, and a ``lock`` file still there is such a leftover: it is removed.
     """
     if fcntl is None:
         yield
