@@ -1,5 +1,8 @@
 """The capture engine: byte accounting, parameter exclusion, dedup, layouts, safety."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -7,6 +10,7 @@ from torch import nn
 from lightning_act import ActivationCapture, CompressionConfig, compress_activations
 from lightning_act.capture import OUTSIDE_MODULES
 from lightning_act.capture.records import storage_region
+from lightning_act.codecs.quant import QuantizedTensor
 from lightning_act.policy import FixedBits
 
 G = 256
@@ -343,6 +347,39 @@ def test_partial_views_are_compressed():
     assert capture.report.saved_bytes == 32 * 3 * 1024 * 4
     assert capture.report.stored_bytes == 3 * quant_bytes(32 * 1024, 4)
     out.backward()
+
+
+def test_pausing_for_backward_leaves_the_records_to_autograd():
+    # Backward frees each record after the node that reads it only if the capture holds none.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.Tanh())
+    capture = ActivationCapture(CompressionConfig(bits=2), model)
+    x = torch.randn(64, 256)
+    with capture.capturing(inputs=x):
+        loss = model(x).sum()
+        capture.pause()
+        stored = [weakref.ref(r.codes) for r in gc.get_objects() if isinstance(r, QuantizedTensor)]
+        assert stored
+        del loss
+        gc.collect()
+        assert all(ref() is None for ref in stored)
+        capture.resume()
+    capture.close()
+
+
+def test_nonfinite_groups_are_counted_across_pauses():
+    x = torch.randn(4096, requires_grad=True)
+    capture = ActivationCapture(CompressionConfig(bits=2))
+    with capture.capturing():
+        h = x * 1.0
+        with torch.no_grad():
+            h[300] = float("inf")
+        y = h.sin().sum()
+        capture.pause()
+        capture.resume()
+        z = (h * 2.0).cos().sum()
+    assert int(capture.report.nonfinite_groups) == 2
+    (y + z).backward()
 
 
 def test_nonfinite_activations_are_counted_and_decode_to_nan():

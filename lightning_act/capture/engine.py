@@ -185,13 +185,19 @@ class ActivationCapture:
             self._hooks = None
             _SharedModuleHooks.capturing.remove(self)
             self._stack.clear()
+        self._release_records()
+        return self.report
+
+    def _release_records(self) -> None:
+        """Count the non-finite groups stored so far and forget the records kept for sharing
+        copies between saves: from now on autograd alone holds each record, so backward frees
+        it right after the node that reads it, instead of all of them at the end of the step."""
         if self._stats:
             found = torch.stack([count_nonfinite_groups(s) for s in self._stats]).sum()
-            self.report.nonfinite_groups = found
+            self.report.nonfinite_groups = self.report.nonfinite_groups + found
             self.total_nonfinite_groups = self.total_nonfinite_groups + found
         self._stats = []
         self._dedup = {}
-        return self.report
 
     def close(self) -> None:
         """Stop, and release the process-wide module hooks that the capture shares with others
@@ -204,6 +210,7 @@ class ActivationCapture:
     def pause(self) -> None:
         """Let saved tensors pass through untouched (for backward) until :meth:`resume`."""
         self._paused = True
+        self._release_records()
 
     def resume(self) -> None:
         self._paused = False
