@@ -195,7 +195,8 @@ class ActivationCapture:
         if not self._rules_checked and self.report.modules:
             # After the first session that saved anything: a rule that matched nothing is a typo.
             self._rules_checked = True
-            self.policy.rules.warn_unmatched(self._names.values())
+            ops = set().union(*(memory.ops for memory in self.report.modules.values()))
+            self.policy.rules.warn_unmatched(self._names.values(), ops)
         return self.report
 
     def close(self) -> None:

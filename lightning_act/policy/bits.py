@@ -122,12 +122,13 @@ class SaveRules:
             self._cache[key] = self._parsed[hits[0]][2] if hits else None
         return self._cache[key]
 
-    def warn_unmatched(self, module_names: Iterable[str]) -> list[str]:
+    def warn_unmatched(self, module_names: Iterable[str], op_names: Iterable[str] = ()) -> list[str]:
         """Warn once per key that matched no lookup so far, naming the nearest module names
-        (or, for an ``op:`` key, the nearest op names looked up).
+        (or, for an ``op:`` key, the nearest op names).
 
         Args:
             module_names: the model's qualified module names, to suggest from.
+            op_names: the ops seen saving tensors, to suggest from.
 
         Returns:
             The keys warned about by this call.
@@ -136,7 +137,7 @@ class SaveRules:
         if not unmatched:
             return []
         modules = sorted(set(module_names) | {module for module, _ in self._cache})
-        ops = sorted({op for _, op in self._cache if op is not None})
+        ops = sorted(set(op_names) | {op for _, op in self._cache if op is not None})
         for key in unmatched:
             self._warned.add(key)
             on_op = key.startswith("op:")
