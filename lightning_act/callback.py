@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -24,6 +25,8 @@ from lightning_act.policy.estimators import GradientSensitivity
 
 LOG_PREFIX = "act"
 ESTIMATORS = ("gradient", "probe")
+#: Rows of the end-of-fit summary; past them, the full table goes to the log directory.
+SUMMARY_ROWS = 20
 
 
 class ActCompression(Callback):
@@ -259,12 +262,14 @@ class ActCompression(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.last_report.saved_bytes:
+        # trainer.log_dir broadcasts from rank zero: every rank asks.
+        log_dir = trainer.log_dir if trainer.logger is not None else None
+        if not self.last_report.saved_bytes or not trainer.is_global_zero:
             return
         report = self.last_report
         lines = [
             "lightning_act: activation memory of the last training step",
-            report.summary(),
+            report.summary(SUMMARY_ROWS),
             f"kept for backward: {report.stored_bytes / MIB:.2f} MiB stored instead of {report.saved_bytes / MIB:.2f} "
             f"MiB ({report.ratio:.2f}x)",
         ]
@@ -284,6 +289,16 @@ class ActCompression(Callback):
                     "the peak is reached in the forward pass (a large transient there, such as a graph layer's "
                     "gathered messages), before backward reads anything saved: compression cannot lower it"
                 )
+        if len(report.modules) > SUMMARY_ROWS and log_dir is not None:
+            table = Path(log_dir) / "activation_memory.txt"
+            table.parent.mkdir(parents=True, exist_ok=True)
+            table.write_text(report.summary(max_modules=None) + "\n")
+            lines.append(f"every module: {table}")
+        if log_dir is not None:
+            lines.append(f"logs: {log_dir}")
+        checkpoints = getattr(trainer.checkpoint_callback, "dirpath", None)
+        if checkpoints is not None:
+            lines.append(f"checkpoints: {checkpoints}")
         rank_zero_info("\n".join(lines))
 
     @override

@@ -144,7 +144,7 @@ def test_quickstart_runs_and_prints_the_summary(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert "activation memory of the last training step" in output
-    assert "saved tensors by decision" in output
+    assert "saved tensors in the table:" in output and "logs: " in output
     total = next(line for line in output.splitlines() if line.startswith("total "))
     ratio = float(total.split()[3].rstrip("x"))
     assert ratio > 10.0, total  # 2-bit codes plus per-group statistics: 13.9x on this model

@@ -126,6 +126,7 @@ class ActivationCapture:
         self.report = CompressionReport()
         self.total_nonfinite_groups: torch.Tensor | int = 0
         self._sessions = 0
+        self._rules_checked = False
         self._active = False
         self._paused = False
         self._probe: Probe | None = None
@@ -186,6 +187,11 @@ class ActivationCapture:
             _SharedModuleHooks.capturing.remove(self)
             self._stack.clear()
         self._release_records()
+        if not self._rules_checked and self.report.modules:
+            # After the first session that saved anything: a rule that matched nothing is a typo.
+            self._rules_checked = True
+            ops = set().union(*(memory.ops for memory in self.report.modules.values()))
+            self.policy.rules.warn_unmatched(self._names.values(), ops)
         return self.report
 
     def _release_records(self) -> None:
@@ -333,7 +339,8 @@ class ActivationCapture:
         stats = report.modules.get(module)
         if stats is None:
             stats = report.modules[module] = ModuleMemory()
-        stats.tensors += 1
+        call = self._tracker.current_call()  # the op saving it: the same one _pack saw
+        stats.note(outcome, None if call is None else call.name)
         ptr, ref = storage_key(t)
         if not self._live(self._saved_storages, ptr):
             self._saved_storages[ptr] = ref

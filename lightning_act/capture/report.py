@@ -45,6 +45,29 @@ class Outcome(enum.Enum):
         """Whether a codec's record replaces the saved tensor."""
         return self in (Outcome.COMPRESSED, Outcome.LOSSLESS)
 
+    @property
+    def counted(self) -> bool:
+        """Whether its tensors are in the byte totals and the per-module rows."""
+        return self not in (Outcome.PARAMETER, Outcome.EXTERNAL)
+
+    @property
+    def description(self) -> str:
+        """What happened, in the summary's words."""
+        return _DESCRIPTIONS[self]
+
+
+_DESCRIPTIONS = {
+    Outcome.COMPRESSED: "compressed at the bits shown",
+    Outcome.LOSSLESS: "masks or indices stored exactly in fewer bits",
+    Outcome.DEDUPLICATED: "served by the copy of an earlier save of the same tensor",
+    Outcome.EXACT: "kept exact by a rule or the policy",
+    Outcome.STATISTIC: "normalization or softmax statistics kept exact",
+    Outcome.KEPT: "kept as they are (small, or no codec takes them)",
+    Outcome.RECAST: "low-precision copies of parameters, re-made in backward",
+    Outcome.PARAMETER: "parameters or their views",
+    Outcome.EXTERNAL: "from the batch or buffers",
+}
+
 
 @dataclass
 class ModuleMemory:
@@ -56,14 +79,41 @@ class ModuleMemory:
     compressed: int = 0
     bits: set = field(default_factory=set)
     codecs: set = field(default_factory=set)
+    #: The torch functions that saved its tensors (``conv2d``, ``relu``).
+    ops: set = field(default_factory=set)
+    #: How many of its tensors had each :class:`Outcome` (by its value).
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+    def note(self, outcome: Outcome, op: str | None) -> None:
+        """Count one more tensor saved by ``op`` in this module, and what became of it."""
+        self.tensors += 1
+        self.outcomes[outcome.value] = self.outcomes.get(outcome.value, 0) + 1
+        if op is not None:
+            self.ops.add(op)
 
     def bits_label(self) -> str:
         """The bit widths used, e.g. ``"2"`` or ``"2,8,exact"`` (``-`` when none applied)."""
         return ",".join(bits_name(b) for b in sorted(self.bits, key=lambda b: 99 if b is None else b)) or "-"
 
+    def ops_label(self) -> str:
+        """The ops that saved its tensors, e.g. ``"conv2d"`` or ``"linear,relu"``."""
+        return ",".join(sorted(self.ops)) or "-"
+
     def codecs_label(self) -> str:
-        """How its tensors are stored, e.g. ``"quant"`` or ``"division,quant,index"``."""
-        return ",".join(sorted(self.codecs)) or "-"
+        """How its tensors are stored, e.g. ``"quant"``, ``"division,quant,index"`` or
+        ``"quant,as is"``; ``shared`` where another save's copy serves them."""
+        labels = sorted(self.codecs)
+        if any(self.outcomes.get(o.value) for o in Outcome if o.keeps_storage):
+            labels.append("as is")
+        if self.outcomes.get(Outcome.DEDUPLICATED.value):
+            labels.append("shared")
+        if self.outcomes.get(Outcome.RECAST.value):
+            labels.append("re-made")
+        return ",".join(labels) or "-"
+
+    def ratio_label(self) -> str:
+        """``saved / stored`` as ``"15.06x"``; ``-`` where either is zero (see the summary's legend)."""
+        return f"{self.saved_bytes / self.stored_bytes:.2f}x" if self.saved_bytes and self.stored_bytes else "-"
 
 
 @dataclass
@@ -102,22 +152,66 @@ class CompressionReport:
         """``saved_bytes / stored_bytes`` (1.0 when nothing was saved)."""
         return self.saved_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
-    def summary(self, max_modules: int = 20) -> str:
-        """A fixed-width table of the modules that save the most, then the totals."""
-        rows = sorted(self.modules.items(), key=lambda kv: kv[1].saved_bytes, reverse=True)
-        width = max([len("module")] + [len(name) for name, _ in rows[:max_modules]])
-        lines = [f"{'module':<{width}}  {'saved MiB':>10}  {'stored MiB':>10}  {'ratio':>7}  {'tensors':>7}  {'bits':<8}  codec"]
-        for name, m in rows[:max_modules]:
-            ratio = m.saved_bytes / m.stored_bytes if m.stored_bytes else float("inf")
-            lines.append(
-                f"{name:<{width}}  {m.saved_bytes / 2**20:>10.3f}  {m.stored_bytes / 2**20:>10.3f}"
-                f"  {ratio:>6.2f}x  {m.tensors:>7}  {m.bits_label():<8}  {m.codecs_label()}"
-            )
-        if len(rows) > max_modules:
-            lines.append(f"... {len(rows) - max_modules} more modules")
-        lines.append(
-            f"{'total':<{width}}  {self.saved_bytes / 2**20:>10.3f}  {self.stored_bytes / 2**20:>10.3f}"
-            f"  {self.ratio:>6.2f}x  {sum(m.tensors for m in self.modules.values()):>7}"
-        )
-        counts = ", ".join(f"{k}: {v}" for k, v in sorted(self.counts.items()))
-        return "\n".join(lines + [f"saved tensors by decision: {counts}"])
+    def summary(self, max_modules: int | None = 20) -> str:
+        """A fixed-width table of the modules that save the most, then the totals, what became
+        of the saved tensors, and a legend for what needs one.
+
+        Args:
+            max_modules: rows to show (None: every module); a line says how many are left out.
+        """
+        rows = sorted(self.modules.items(), key=lambda kv: (kv[1].saved_bytes, kv[1].stored_bytes), reverse=True)
+        shown = rows if max_modules is None else rows[:max_modules]
+        cells = [
+            (name, _clip(m.ops_label()), f"{m.saved_bytes / MIB:.3f}", f"{m.stored_bytes / MIB:.3f}",
+             m.ratio_label(), str(m.tensors), m.bits_label(), m.codecs_label())
+            for name, m in shown
+        ]
+        tensors = sum(m.tensors for m in self.modules.values())
+        total = ("total", "", f"{self.saved_bytes / MIB:.3f}", f"{self.stored_bytes / MIB:.3f}",
+                 f"{self.ratio:.2f}x", str(tensors), "", "")
+        widths = [max(len(row[i]) for row in [_HEADER, *cells, total]) for i in range(len(_HEADER))]
+
+        def line(row: tuple[str, ...]) -> str:
+            return "  ".join(
+                cell.rjust(w) if i in _RIGHT_ALIGNED else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))
+            ).rstrip()
+
+        lines = [
+            "MiB for backward: 'autograd keeps' without compression, 'stored' with it; ratio = autograd keeps / stored",
+            line(_HEADER),
+            *map(line, cells),
+        ]
+        if len(rows) > len(shown):
+            lines.append(f"... {len(rows) - len(shown)} more modules: summary(max_modules=None) lists them all")
+        lines.append(line(total))
+        lines += self._outcome_lines(tensors)
+        if any(m.ratio_label() == "-" and (m.saved_bytes or m.stored_bytes) for _, m in shown):
+            lines += [
+                "ratio '-': a tensor's bytes count in the row of the module that saved it first. A row that stores",
+                "  MiB but keeps none stores again a tensor saved first elsewhere (in another layout); a row that",
+                "  keeps MiB but stores none is served by other rows' copies or re-makes its tensors in backward",
+            ]
+        return "\n".join(lines)
+
+    def _outcome_lines(self, tensors: int) -> list[str]:
+        """What became of the saved tensors: those in the table, then those alive anyway."""
+
+        def counts(counted: bool) -> list[tuple[int, str]]:
+            return [(self.counts[o.value], text) for o, text in _DESCRIPTIONS.items() if o.counted is counted and self.counts.get(o.value)]
+
+        width = max([len(str(n)) for n, _ in counts(True)], default=1)
+        lines = [f"{tensors} saved tensors in the table:", *(f"  {n:>{width}}  {text}" for n, text in counts(True))]
+        uncounted = counts(False)
+        if uncounted:
+            lines.append("not in the table, alive anyway: " + ", ".join(f"{text}: {n}" for n, text in uncounted))
+        return lines
+
+
+MIB = 2**20
+_HEADER = ("module", "op", "autograd keeps", "stored", "ratio", "tensors", "bits", "stored as")
+_RIGHT_ALIGNED = {2, 3, 4, 5}
+_OP_WIDTH = 28
+
+
+def _clip(text: str, width: int = _OP_WIDTH) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."

@@ -8,9 +8,11 @@ the policy's default until the next recalibration includes it.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
+import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_act.config import CODECS
@@ -104,16 +106,58 @@ class SaveRules:
             on_op = key.startswith("op:")
             self._parsed.append((on_op, key[3:] if on_op else key, parse_rule(value, f"rules[{key!r}]")))
         self._cache: dict[tuple[str, str | None], Rule | None] = {}
+        #: The keys that matched a lookup so far (shadowed by an earlier key or not).
+        self.matched: set[str] = set()
+        self._warned: set[str] = set()
 
     def lookup(self, module: str, op: str | None = None) -> Rule | None:
         """The first rule matching ``module`` or ``op``, or None."""
         key = (module, op)
         if key not in self._cache:
-            self._cache[key] = next(
-                (rule for on_op, pattern, rule in self._parsed if _matches(pattern, op if on_op else module)),
-                None,
-            )
+            # Once per (module, op): every key that matches is noted, so that a key matching
+            # nothing (a typo) can be reported.
+            hits = [i for i, (on_op, pattern, _) in enumerate(self._parsed) if _matches(pattern, op if on_op else module)]
+            keys = list(self.rules)
+            self.matched.update(keys[i] for i in hits)
+            self._cache[key] = self._parsed[hits[0]][2] if hits else None
         return self._cache[key]
+
+    def warn_unmatched(self, module_names: Iterable[str], op_names: Iterable[str] = ()) -> list[str]:
+        """Warn once per key that matched no lookup so far, naming the nearest module names
+        (or, for an ``op:`` key, the nearest op names).
+
+        Args:
+            module_names: the model's qualified module names, to suggest from.
+            op_names: the ops seen saving tensors, to suggest from.
+
+        Returns:
+            The keys warned about by this call.
+        """
+        unmatched = [key for key in self.rules if key not in self.matched and key not in self._warned]
+        if not unmatched:
+            return []
+        modules = sorted(set(module_names) | {module for module, _ in self._cache})
+        ops = sorted(set(op_names) | {op for _, op in self._cache if op is not None})
+        for key in unmatched:
+            self._warned.add(key)
+            on_op = key.startswith("op:")
+            pattern, names, kind = (key[3:], ops, "op") if on_op else (key, modules, "module")
+            # Compare what the pattern spells, without its wildcards.
+            nearest = difflib.get_close_matches(pattern.strip("*?.").replace("*", ""), names, n=3, cutoff=0.5)
+            named = [] if on_op else [name for name in modules if _matches(pattern, name)]
+            if named:
+                hint = (
+                    f"it names {', '.join(named[:3])}{', ...' if len(named) > 3 else ''}, which saved nothing a rule "
+                    "sets (inputs, parameters, masks and tensors below min_numel are never compressed)"
+                )
+            elif nearest:
+                hint = f"nearest {kind} names: " + ", ".join(("op:" if on_op else "") + name for name in nearest)
+            elif names:
+                hint = f"no {kind} name is close; some that exist: " + ", ".join(names[:5])
+            else:
+                hint = f"no {kind} names were seen"
+            warnings.warn(f"lightning_act: rules[{key!r}] matched no saved tensor in the first step; {hint}", stacklevel=2)
+        return unmatched
 
 
 class BitPolicy(ABC):
