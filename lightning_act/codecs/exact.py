@@ -83,8 +83,9 @@ class StoredTensor:
         return _no_stats(self.tensor.device)
 
     def unpack(self) -> torch.Tensor:
-        """A new contiguous copy."""
-        return self.tensor.clone(memory_format=torch.contiguous_format)
+        """The tensor itself: backward only reads what it saved, and a copy would add the
+        tensor's size to the peak while the kept one is still alive."""
+        return self.tensor
 
 
 class MaskTensor:
