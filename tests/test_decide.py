@@ -86,6 +86,64 @@ def test_reduction_statistics_are_kept_exact():
     assert decided(out, call("linear", torch.randn(64, 256)[:, :2], weight)).kind is Kind.QUANTIZE
     # Without the call nothing tells it is a statistic.
     assert decided(mean).kind is Kind.QUANTIZE
+    # An output of the op itself with autograd history (GroupNorm's mean) is still one ...
+    images = torch.randn(8, 4, 6, 6, requires_grad=True)
+    with torch.enable_grad():
+        _, group_mean, _ = torch.native_group_norm(images, None, None, 8, 4, 36, 2, 1e-5)
+    assert group_mean.grad_fn is not None
+    assert decided(group_mean, call("group_norm", images, 2)).kind is Kind.STATISTIC
+    # ... but not a value computed step by step inside a composite op (a recurrent step's gate).
+    sequence = torch.randn(16, 64, 32, requires_grad=True)
+    with torch.enable_grad():
+        gate = torch.sigmoid(sequence[:, 3] * 2)
+    inside = decided(gate, call("gru", sequence))
+    # Which step's backward reads it, and how, is unknown: a gate's own backward is quadratic in it.
+    assert inside.kind is Kind.QUANTIZE and inside.min_bits == 4
+    with torch.enable_grad():
+        direct = torch.sigmoid(sequence)
+    assert decided(direct, call("sigmoid", sequence)).min_bits == 1  # an op's own output
+    # A copy of an input the op makes first (a linear layer's reshape of a strided input) is
+    # the input, not a value computed inside.
+    strided = sequence.transpose(0, 1)
+    with torch.enable_grad():
+        flat = strided.reshape(-1, 32)
+    assert flat.untyped_storage().data_ptr() != sequence.untyped_storage().data_ptr()
+    assert decided(flat, call("linear", strided, nn.Parameter(torch.randn(8, 32)))).min_bits == 1
+
+
+def test_one_byte_buffers_without_a_bound_are_kept_as_they_are():
+    """An opaque workspace (oneDNN's, cuDNN's) spans all 256 byte values: nothing to save."""
+    workspace = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    assert decided(workspace, call("lstm", torch.randn(16, 64, 32))).kind is Kind.KEEP
+    assert decided(workspace.to(torch.int8), call("gru", torch.randn(16, 64, 32))).kind is Kind.KEEP
+    # Wider integers are measured; a bound from the op makes a one-byte tensor storable too.
+    assert decided(workspace.long(), call("gather", torch.randn(4096), 0)).kind is Kind.INDEX
+    pooled = decided(workspace[:36].view(1, 1, 6, 6), call("max_pool2d", torch.randn(1, 1, 12, 12), 2))
+    assert pooled.kind is Kind.INDEX and pooled.value_range == (0, 143)
+
+
+@pytest.mark.parametrize(
+    ("make_call", "saved", "divisor"),
+    [
+        (lambda a, b: call("div", a, b), "b", True),
+        (lambda a, b: call("div", a, b), "a", False),  # the numerator: backward is linear in it
+        (lambda a, b: call("div", a, other=b), "b", True),
+        (lambda a, b: call("log", b), "b", True),
+        (lambda a, b: call("rsqrt", b), "b", True),
+        (lambda a, b: call("pow", b, 2), "b", False),  # RMSNorm's square: backward 2x, linear
+        (lambda a, b: call("pow", b, -0.5), "b", True),
+        (lambda a, b: call("pow", b, 0.5), "b", True),
+        (lambda a, b: call("pow", b, a), "b", True),  # a tensor exponent
+        (lambda a, b: call("pow", a, b), "b", True),
+        (lambda a, b: call("__rpow__", b, 2.0), "b", True),  # 2 ** b
+        (lambda a, b: call("mul", a, b), "b", False),
+    ],
+)
+def test_tensors_backward_divides_by_get_the_nonlinear_floor(make_call, saved, divisor):
+    a, b = torch.randn(64, 64), torch.rand(64, 64) + 0.5
+    decision = decided({"a": a, "b": b}[saved], make_call(a, b))
+    assert decision.kind is Kind.QUANTIZE
+    assert decision.min_bits == (8 if divisor else 1)
 
 
 def test_floors_follow_how_backward_reads_the_tensor():
@@ -100,7 +158,9 @@ def test_floors_follow_how_backward_reads_the_tensor():
     assert decided(k, call("scaled_dot_product_attention", query=q, key=k, value=v)).min_bits == 8
     plain = decided(x, call("conv2d", x))
     assert plain.min_bits == 1 and not plain.keeps_zeros
-    assert floor_bits(x, None) == 1
+    # Saved outside any op (a custom autograd function, a checkpoint's block input): its
+    # backward is unknown, so it gets the floor of a nonlinear use.
+    assert floor_bits(x, None) == 8
     # The floor holds whatever kind results: a copy shared between saves must satisfy it.
     assert decided(x, call("relu", x), min_numel=10**6) == Decision(Kind.KEEP, 2)
 

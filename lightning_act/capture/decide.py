@@ -6,7 +6,11 @@ strides and autograd history and the call that saves it (from the
 dispatches on the :class:`Decision`; the rules (by module and op) and the policy then pick
 the codec and bits of a tensor decided :attr:`Kind.QUANTIZE`, never below its floor.
 
-The rules, in the order they apply:
+The principle: stochastic rounding makes a stored tensor right on average, so the gradient
+is unbiased exactly where backward uses the tensor **linearly** (a matmul's or conv's
+input, a normalisation's input given exact statistics, up to a term of order 1/N). Where
+backward passes it through a nonlinearity, the noise becomes a bias, which no number of
+steps averages out. Each rule below says how backward uses a tensor, read off the call:
 
 * a parameter, a view of one, or a cast copy of one: never compressed. A view of it (or a
   copy in its own dtype) is alive anyway and passes through; autocast's exact cast copy is
@@ -14,19 +18,49 @@ The rules, in the order they apply:
 * a tensor the step keeps alive anyway (the input batch, buffers): passes through;
 * a boolean mask or integer indices: stored losslessly in the fewest bits they need
   (max-pool indices with the bound their op implies, so without a device synchronisation);
+  a one-byte integer tensor with no such bound is an opaque buffer (an RNN workspace) and
+  is kept as it is (see ``_OPAQUE_BYTES``);
 * a float tensor that holds one bit per value for its op (LeakyReLU's input, read only
   for its sign; dropout's noise on the CPU): a 1-bit mask, exact;
 * too small, laid out with overlapping elements (a broadcast/unfolded view whose dense
-  copy would be larger), or of a dtype no codec takes (complex): kept as it is;
-* a reduction statistic, at least 8 times smaller than its op's largest input (LayerNorm's
-  mean and rstd, attention's logsumexp): kept exact, since backward multiplies its noise in;
-* anything else: quantized, at no fewer bits than :func:`floor_bits` allows. A ReLU output,
-  whose backward reads ``out > 0`` and which the next layer saves too, needs a codec that
-  keeps zeros exact (the quantizer, at 2 bits or more), so ReLU's gradient is exact.
+  copy would be larger), or of a dtype no codec takes (complex): kept as it is. Size is a
+  cost rule, not a sensitivity rule: below ``min_numel`` the group statistics and the
+  per-tensor work cost more than the bits saved, and what such a tensor adds to the kept
+  memory is negligible; how sensitive a tensor is, is decided by the floors below;
+* a reduction statistic, at least 8 times smaller than its op's largest input and an
+  output of the op itself (LayerNorm's mean and rstd, attention's logsumexp, not a
+  recurrent op's per-step state): kept exact, since backward multiplies its noise in;
+* anything else: quantized, at no fewer bits than :func:`floor_bits` allows:
+
+  - 2 bits for a ReLU output, whose backward reads ``out > 0`` and which the next layer
+    saves too: a codec that keeps zeros exact (the quantizer) makes ReLU's gradient exact;
+  - 8 bits for what backward puts through an exponential (softmax outputs, attention's
+    query and key) or divides by (a ``div``'s denominator by its argument position, the
+    saved input or output of ``log``, ``sqrt``, ``rsqrt``, ``reciprocal``, a power below
+    1): there a rounding error is amplified without bound and its mean is not zero;
+  - 8 bits for a tensor saved outside any op (``ctx.save_for_backward`` of a custom
+    autograd function), whose backward is unknown: non-reentrant activation checkpointing
+    saves each block's input this way and recomputes the whole block from it, every
+    nonlinearity of the block at once. The recomputation runs in backward, where nothing
+    is compressed, so what the block saves is exact;
+  - 4 bits for a value computed and saved inside a composite op (a recurrent op's gates,
+    run step by step under one call): which backward reads it, and how, is not known, and
+    the gates' own backward is quadratic in them;
+  - 1 bit otherwise: backward is linear in the tensor, or smooth in it (SiLU, GELU,
+    sigmoid, tanh, hardswish: a bias of the order of the rounding variance times the
+    curvature, measured well under the noise at 2 bits on the models tested).
+
+Weighed and not chosen: storing a pointwise nonlinearity's derivative instead of its input
+(backward is then linear in what is stored) needs control over what the op saves; a
+saved-tensor hook sees only the tensor, and unpack must return an input whose derivative
+is the stored one, which the derivative does not determine. It needs the op replaced by an
+autograd function of its own, not a storage rule.
 
 A new rule about how backward reads a saved tensor goes here: a floor for a tensor that
 backward passes through a nonlinearity goes in :func:`floor_bits`; a tensor that must be
 stored another way gets its own :class:`Kind` (and a branch in the engine's dispatch).
+``rules`` may raise any tensor's bits or keep it exact; the floors hold under every rule
+and policy.
 
 A :class:`Decision` is a small immutable value. It depends on the tensor's dtype, shape and
 strides, on whether it is a parameter in disguise or alive anyway, and on the op's name and
@@ -62,6 +96,31 @@ _SIGN_ONLY_OPS = frozenset({"leaky_relu", "leaky_relu_"})
 _SOFTMAX_OUTPUT_OPS = frozenset({"softmax", "log_softmax", "cross_entropy"})
 _ATTENTION_OPS = frozenset({"scaled_dot_product_attention"})
 _SOFTMAX_BITS = 8
+# Pointwise ops whose backward divides by the tensor they save, or by a power of it: the
+# denominator of ``div`` (found by its argument position), ``log``'s input, the outputs of
+# ``sqrt``, ``rsqrt``, ``reciprocal`` and ``1 / x``, and ``pow``'s base under an exponent
+# below 1 or its exponent tensor. Rounding noise near zero becomes an unbounded error there,
+# and its mean is not the exact quotient (E[1/(x+e)] > 1/x): a mean aggregation's neighbour
+# count at 2 bits biased a graph network's gradient by 0.9 of its norm, and a scatter
+# softmax's per-node sum by 0.3. They are stored at the softmax's 8 bits.
+_DIVISION_OPS = frozenset({"div", "div_", "true_divide", "true_divide_", "divide"})
+_DIVISOR_SAVING_OPS = frozenset({"log", "log_", "sqrt", "sqrt_", "rsqrt", "rsqrt_", "reciprocal", "reciprocal_",
+                                 "__rdiv__", "__rtruediv__"})
+_POWER_OPS = frozenset({"pow", "pow_", "float_power", "__pow__", "__rpow__"})
+# A tensor saved outside any tracked op: ``ctx.save_for_backward`` of a custom autograd
+# function, whose backward may do anything with it. Non-reentrant activation checkpointing
+# saves each block's input this way and recomputes the whole block from it in backward
+# (normalisations, softmax, activations: every nonlinearity above at once); at 2 bits that
+# input alone biased a checkpointed transformer's gradient by 0.22 of its norm. The block
+# is recomputed in backward, outside the capture, so its own saves are exact.
+_UNKNOWN_USE_BITS = 8
+# A value computed inside a composite op and saved there (``nn.GRU`` on the CPU runs its
+# cells step by step under the one op ``gru``): some step's backward reads it, but which
+# one, and how, the call does not tell. Among them are the gates' sigmoid and tanh outputs,
+# whose own backward reads ``y (1 - y)`` and ``1 - y**2``, quadratic in the rounded value:
+# at 2 bits they made a GRU's gradient biased (16-seed mean 2.4x closer than one seed, 4x
+# when unbiased). At 4 bits the rounding variance, and the bias with it, is 25 times smaller.
+_INSIDE_COMPOSITE_BITS = 4
 # Dropout on the CPU saves its noise, bernoulli(1 - p) / (1 - p): a mask and a known scale
 # (on a GPU it saves a boolean mask, stored losslessly like any other).
 _DROPOUT_OPS = frozenset({"dropout", "dropout_"})
@@ -72,7 +131,16 @@ _DROPOUT_OPS = frozenset({"dropout", "dropout_"})
 # everything else by it, so noise there is not averaged out but multiplied in. It is kept
 # exact, which costs little for the same reason. Weights do not count as the op's size: a
 # linear layer's small input next to its large weight is an activation, not a statistic.
+# A statistic is an output of the op itself: its autograd history, if any, starts at the
+# op's inputs. The per-step gates and states that a recurrent op computes step by step (their
+# history runs through the earlier steps), each one step's share of its input, are activations.
 _STATISTIC_RATIO = 8
+
+# _OPAQUE_BYTES: a one-byte integer tensor with no bound its op implies is kept as it is.
+# Such tensors are byte buffers that an op lays out for itself (oneDNN's RNN workspace on the
+# CPU, cuDNN's reserve space on a GPU): their bytes span the whole range, so the index codec
+# could not store them in fewer bits, and finding that out costs a pass over them and a
+# device synchronisation; a copy to give back at unpack would add its size to the peak.
 
 # Autograd nodes that only view or cast their single input: following them from a saved
 # tensor tells whether it is a parameter in disguise.
@@ -164,37 +232,106 @@ def source_parameter(t: torch.Tensor) -> tuple[nn.Parameter | None, bool]:
     return variable, exact
 
 
-def _is_statistic(t: torch.Tensor, call: TrackedCall) -> bool:
-    inputs = [a for a in (*call.args, *call.kwargs.values()) if isinstance(a, torch.Tensor)]
+def _tensor_arguments(call: TrackedCall) -> list[torch.Tensor]:
+    return [a for a in (*call.args, *call.kwargs.values()) if isinstance(a, torch.Tensor)]
+
+
+def _is_input(t: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
+    """Whether ``t`` is one of the op's inputs or a view of one."""
     if any(a is t for a in inputs):
-        return False  # the op saves one of its inputs (checked first: it is the common case, and cheap)
+        return True  # checked first: it is the common case, and cheap
     storage = t.untyped_storage().data_ptr()
-    if any(a.untyped_storage().data_ptr() == storage for a in inputs):
-        return False  # the op saves a view of one of its inputs
+    return any(a.untyped_storage().data_ptr() == storage for a in inputs)
+
+
+def _is_inside_composite(t: torch.Tensor, call: TrackedCall) -> bool:
+    """Whether ``t`` is neither an input nor an output of the op but a value computed on the
+    way: its autograd history runs through steps inside the op."""
+    if t.grad_fn is None:
+        return False
+    inputs = _tensor_arguments(call)
+    return not _is_input(t, inputs) and not _is_direct_output(t, inputs)
+
+
+def _is_statistic(t: torch.Tensor, call: TrackedCall) -> bool:
+    inputs = _tensor_arguments(call)
+    if _is_input(t, inputs):
+        return False
+    if t.grad_fn is not None and not _is_direct_output(t, inputs):
+        return False  # an activation inside a composite op (a recurrent step's gate)
     # Only a larger activation makes it a statistic; a parameter's size says nothing.
     larger = (a for a in inputs if a.numel() >= t.numel() * _STATISTIC_RATIO)
     return any(source_parameter(a)[0] is None for a in larger)
+
+
+def _is_direct_output(t: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
+    """Whether ``t`` is an output of the op itself or a copy of an input (its autograd node
+    reads the op's inputs, through views and copies at most: GroupNorm's mean, a linear
+    layer's reshaped copy of a strided input), not a value computed inside the op from
+    other such values (a recurrent op's per-step states)."""
+    nodes = {id(a.grad_fn) for a in inputs if a.grad_fn is not None}
+    leaves = {id(a) for a in inputs if a.grad_fn is None}
+
+    def reaches_input(node) -> bool:
+        while node is not None:
+            if id(node) in nodes or id(getattr(node, "variable", None)) in leaves:
+                return True
+            if node.name() not in _VIEW_OR_CAST_NODES:
+                return False
+            node = node.next_functions[0][0]
+        return False
+
+    node = t.grad_fn
+    if node.name() in _VIEW_OR_CAST_NODES and reaches_input(node):
+        return True
+    return any(reaches_input(parent) for parent, _ in node.next_functions)
 
 
 def _is_attention_score_input(t: torch.Tensor, call: TrackedCall) -> bool:
     """Whether ``t`` is the query or the key of the attention call saving it."""
     if call.name not in _ATTENTION_OPS:
         return False
-    query = call.kwargs.get("query", call.args[0] if call.args else None)
-    key = call.kwargs.get("key", call.args[1] if len(call.args) > 1 else None)
-    return any(
-        isinstance(a, torch.Tensor) and a.data_ptr() == t.data_ptr() and a.shape == t.shape for a in (query, key)
-    )
+    return any(_is_same_tensor(_argument(call, i, name), t) for i, name in enumerate(("query", "key")))
+
+
+def _argument(call: TrackedCall, position: int, *names: str):
+    if len(call.args) > position:
+        return call.args[position]
+    return next((call.kwargs[n] for n in names if n in call.kwargs), None)
+
+
+def _is_same_tensor(a, t: torch.Tensor) -> bool:
+    return isinstance(a, torch.Tensor) and (a is t or (a.data_ptr() == t.data_ptr() and a.shape == t.shape))
+
+
+def _is_divisor(t: torch.Tensor, call: TrackedCall) -> bool:
+    """Whether backward divides by ``t`` (or by a power of it) for the call saving it."""
+    name = call.name
+    if name in _DIVISOR_SAVING_OPS:
+        return True
+    if name in _DIVISION_OPS:
+        return _is_same_tensor(_argument(call, 1, "other"), t)
+    if name in _POWER_OPS:
+        base, exponent = _argument(call, 0, "input", "self"), _argument(call, 1, "exponent", "other")
+        if name == "__rpow__":  # x.__rpow__(y) is y ** x
+            base, exponent = exponent, base
+        if _is_same_tensor(base, t):
+            # x ** n's backward is n * x ** (n - 1): linear in x for n = 2, singular for n < 1.
+            return isinstance(exponent, torch.Tensor) or not (isinstance(exponent, (int, float)) and exponent >= 1)
+        return True  # the exponent tensor, or the output (b ** x's backward is log(b) * out)
+    return False
 
 
 def floor_bits(t: torch.Tensor, call: TrackedCall | None) -> int:
     """The fewest bits a saved tensor may get from how its op's backward reads it."""
     if call is None:
-        return 1
+        return _UNKNOWN_USE_BITS
     if call.name in _ZERO_EXACT_OPS:
         return 2
-    if call.name in _SOFTMAX_OUTPUT_OPS or _is_attention_score_input(t, call):
+    if call.name in _SOFTMAX_OUTPUT_OPS or _is_attention_score_input(t, call) or _is_divisor(t, call):
         return _SOFTMAX_BITS
+    if t.is_floating_point() and _is_inside_composite(t, call):
+        return _INSIDE_COMPOSITE_BITS
     return 1
 
 
@@ -228,6 +365,9 @@ def decide(t: torch.Tensor, call: TrackedCall | None, *, external: bool, min_num
     elif t.dtype == torch.bool:
         kind = Kind.MASK
     elif t.dtype in INDEX_DTYPES:
+        value_range = saved_index_range(call)
+        if value_range is None and t.element_size() == 1:
+            return Decision(Kind.KEEP, min_bits)  # an opaque byte buffer: see _OPAQUE_BYTES
         kind = Kind.INDEX
     else:
         return Decision(Kind.KEEP, min_bits)
@@ -239,7 +379,7 @@ def decide(t: torch.Tensor, call: TrackedCall | None, *, external: bool, min_num
             return Decision(Kind.STATISTIC, min_bits)
         return Decision(kind, min_bits, keeps_zeros=op in _ZERO_EXACT_OPS, layout=layout)
     if kind is Kind.INDEX:
-        return Decision(kind, min_bits, value_range=saved_index_range(call), layout=layout)
+        return Decision(kind, min_bits, value_range=value_range, layout=layout)
     if kind is Kind.SIGN_MASK and op in _DROPOUT_OPS:
         return Decision(kind, min_bits, divisor=_dropout_keep_probability(call), layout=layout)
     return Decision(kind, min_bits, layout=layout)
