@@ -2,6 +2,7 @@
 method, its largest-batch search, and the callback's per-step peak (StepPeakMemory)."""
 
 import importlib
+import mmap
 import sys
 from pathlib import Path
 
@@ -92,8 +93,11 @@ def test_step_peak_on_the_cpu_sees_a_freed_allocation():
         pytest.skip("needs Linux /proc/self/clear_refs")
     peak.start()
     before = peak.peak_bytes()
-    block = torch.ones(64 * MIB // 4)  # written, so resident
-    del block
+    # Fresh pages from the kernel, written so they are resident: memory the C allocator
+    # kept from earlier tests could be reused without raising the resident size.
+    block = mmap.mmap(-1, 64 * MIB)
+    block.write(b"\1" * (64 * MIB))
+    block.close()
     assert peak.peak_bytes() >= before + 63 * MIB
     peak.start()  # a new step forgets the old peak
     assert peak.peak_bytes() < before + 32 * MIB
