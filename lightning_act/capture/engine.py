@@ -394,6 +394,7 @@ class ActivationCapture:
             self._account(module, t, Outcome.KEPT if kind is Kind.KEEP else Outcome.STATISTIC, 0)
             return t.detach()
         dense = decision.layout.dense(t)
+        _hold_until_read(t)
         if kind is Kind.QUANTIZE:
             saved = self._store(t, dense, decision, module, op)
         else:
@@ -520,6 +521,15 @@ class ActivationCapture:
         memory.codecs.add(record.codec)
         self.report.slots[slot] = SlotMemory(module, tuple(t.shape), bits, dense_bytes, record.nbytes, record.codec, op)
         return Compressed(record, layout)
+
+
+
+def _hold_until_read(t: torch.Tensor) -> None:
+    """Keep ``t``'s memory from being reused before the kernels just queued on the current
+    stream have read it: the caller drops ``t`` once they are queued, and a tensor made on
+    another stream would otherwise go back to that stream's pool at once."""
+    if t.is_cuda:
+        t.record_stream(torch.cuda.current_stream(t.device))
 
 
 class _SharedModuleHooks:
