@@ -14,13 +14,13 @@ whose spread over the seeds is the yardstick: compression should stay within it.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 from pathlib import Path
 
 import lightning as L
 import torch
+
+from _seed_grid import run_settings
 
 from lightning_act import ActCompression
 from lightning_act.examples._schedule import warmup_cosine
@@ -100,29 +100,7 @@ def main():
     parser.add_argument("--seeds", type=int, default=3, help="seeds (weights, data order, rounding) per setting")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op CPU threads (one: a shared machine's busy cores slow OpenMP barriers)")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    path = args.out / "llama_accuracy_cpu.json"
-    # Settings not run now keep their earlier results, if those came from the same schedule.
-    earlier = json.loads(path.read_text()) if path.exists() else {}
-    run = {"steps": args.steps, "recalibrate": args.recalibrate, "seeds": args.seeds, "threads": args.threads,
-           "torch": torch.__version__}
-    same_schedule = all(earlier.get(key) == value for key, value in run.items())
-    results = {**(earlier if same_schedule else {}), **run, "date": time.strftime("%Y-%m-%d"), "device": "cpu"}
-    for name, settings in SETTINGS.items():
-        if args.only and name not in args.only:
-            continue
-        runs = [train(args.data, args.steps, settings, args.recalibrate, seed) for seed in range(args.seeds)]
-        losses = [r["val_loss"] for r in runs]
-        results[name] = {"val_loss": statistics.fmean(losses),
-                         "val_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0, "runs": runs}
-        base = results.get("none", {}).get("val_loss")
-        change = f" ({100 * (results[name]['val_loss'] / base - 1):+.1f}% vs none)" if base else ""
-        print(f"{name:18s} val loss {results[name]['val_loss']:.4f} +- {results[name]['val_loss_std']:.4f}{change}"
-              f"  per seed {[round(v, 4) for v in losses]}  ratio {runs[0].get('ratio', 1.0):.2f}x"
-              f"  {sum(r['seconds'] for r in runs):.0f} s", flush=True)
-        args.out.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=1))
+    run_settings(parser.parse_args(), SETTINGS, train, "llama_accuracy_cpu.json")
 
 
 if __name__ == "__main__":
