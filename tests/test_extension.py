@@ -94,6 +94,26 @@ def test_cuda_build_without_gpu_needs_architectures(monkeypatch):
         extension.build_kernels("cuda")
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="the stand-in nvcc is a shell script")
+def test_cuda_links_the_runtime_of_the_toolkit_behind_an_nvcc_wrapper(monkeypatch, tmp_path):
+    # /usr/local/bin/nvcc running /usr/local/cuda-X/bin/nvcc: torch takes /usr/local for the
+    # toolkit and finds no libcudart there; nvcc's dry run names the real folder.
+    toolkit = tmp_path / "cuda-13.0"
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "lib64").mkdir()
+    real_nvcc = toolkit / "bin" / "nvcc"
+    real_nvcc.write_text(f'#!/bin/sh\necho "#$ _HERE_={toolkit}/bin" >&2\necho "#$ TOP={toolkit}/bin/.." >&2\n')
+    wrapper_home = tmp_path / "local"
+    (wrapper_home / "bin").mkdir(parents=True)
+    wrapper = wrapper_home / "bin" / "nvcc"
+    wrapper.write_text(f'#!/bin/sh\nexec {real_nvcc} "$@"\n')
+    for script in (real_nvcc, wrapper):
+        script.chmod(0o755)
+    monkeypatch.setattr(extension._cpp_extension(), "CUDA_HOME", str(wrapper_home))
+
+    assert extension._build_flags("cuda")[2] == [f"-L{toolkit / 'lib64'}"]
+
+
 def test_unknown_device_type_is_rejected():
     with pytest.raises(ValueError, match="no fused kernels for device type 'mps'; allowed: cpu, cuda"):
         extension.build_kernels("mps")

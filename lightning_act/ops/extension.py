@@ -36,6 +36,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -246,11 +247,37 @@ def _cpp_extension():
 def _build_flags(device_type: str) -> tuple[list[str], list[str], list[str]]:
     """(C++ flags, nvcc flags, linker flags) of one device type's extension."""
     if device_type == "cuda":
-        return list(_HOST_FLAGS), list(_CUDA_FLAGS), []
+        return list(_HOST_FLAGS), list(_CUDA_FLAGS), _cuda_runtime_dirs()
     # at::parallel_for is expanded in the extension itself: without the OpenMP flags torch
     # was built with, it silently runs on one thread.
     openmp = ["-fopenmp"] if "OpenMP" in torch.__config__.parallel_info() else []
     return _HOST_FLAGS + openmp, [], openmp
+
+
+def _cuda_runtime_dirs() -> list[str]:
+    """Linker flags for the CUDA runtime of the toolkit whose nvcc torch compiles with.
+
+    torch takes the toolkit folder to be ``CUDA_HOME`` or, unset, two levels above the
+    ``nvcc`` on ``PATH``, and links ``-lcudart`` from there. Where that ``nvcc`` is a wrapper
+    script (``/usr/local/bin/nvcc`` running ``/usr/local/cuda-X/bin/nvcc``), the folder is
+    wrong and the link fails. nvcc reports its real folder in a dry run (``TOP=``); its
+    library folders are added so the link finds the runtime either way.
+    """
+    nvcc = Path(_cpp_extension()._join_cuda_home("bin", "nvcc"))
+    try:
+        dry_run = subprocess.run(
+            [str(nvcc), "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []  # torch's own build reports the missing or broken nvcc
+    for line in (dry_run.stdout + dry_run.stderr).splitlines():
+        if line.startswith("#$ TOP="):
+            toolkit = Path(line.removeprefix("#$ TOP=")).resolve()
+            return [f"-L{toolkit / lib}" for lib in ("lib64", "lib") if (toolkit / lib).is_dir()]
+    return []
 
 
 def _build_dir(device_type: str, sources: list[Path], flags: list[str]) -> Path:
