@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +22,7 @@ from lightning_act.config import CompressionConfig
 from lightning_act.monitor import MIB, StepPeakMemory, log_allocation, log_module_memory, module_mean_bits
 from lightning_act.ops import ensure_kernels
 from lightning_act.policy import AdaptiveBits, FixedBits
+from lightning_act.policy.bits import bits_name
 from lightning_act.policy.estimators import GradientSensitivity
 
 LOG_PREFIX = "act"
@@ -310,6 +312,10 @@ class ActCompression(Callback):
     def _recalibrate_by_probes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         started = time.perf_counter()
         sample = _leading_rows(batch, self.probe_samples)
+        rank_zero_info(
+            f"lightning_act: recalibrating the bits at step {trainer.global_step}: one backward per saved tensor "
+            f"on {self.probe_samples} samples of the batch"
+        )
 
         def loss_fn() -> torch.Tensor:
             with trainer.precision_plugin.train_step_context(), _muted_logging(pl_module):
@@ -335,6 +341,13 @@ class ActCompression(Callback):
         training_ms = max((time.perf_counter() - self._fit_started) * 1e3, 1e-9)
         cost = {"recalibration_ms": elapsed_ms, "recalibration_pct": 100.0 * self.recalibration_ms / training_ms}
         self._pending_allocation = (trainer.global_step, sensitivity, cost)
+        widths = Counter(bits_name(bits) for bits in self.policy.assignment.values())
+        rank_zero_info(
+            f"lightning_act: recalibrated at step {trainer.global_step} in {elapsed_ms / 1e3:.1f} s "
+            f"({cost['recalibration_pct']:.1f}% of the training time so far, recalibrations included); tensors per "
+            f"width: {', '.join(f'{n} at {w}' for w, n in sorted(widths.items(), key=lambda item: item[0]))}; "
+            f"next at step {self._next_calibration}"
+        )
 
     def _log_allocation(self, trainer: pl.Trainer, report: CompressionReport) -> None:
         step, sensitivity, cost = self._pending_allocation

@@ -7,8 +7,8 @@ every torch function while it runs: ``"relu"``, ``"conv2d"``, ``"max_pool2d"``,
 ``"dropout"``, ``"linear"``, ``"softmax"``, ``"layer_norm"``,
 ``"scaled_dot_product_attention"``, and so on. A pack hook asks :meth:`OpTracker.current`
 and can then pick a codec by op: a 1-bit sign mask for ReLU's saved output, a narrow
-integer codec for max-pool indices (whose bound :func:`saved_index_range` reads off the
-call, with no device synchronisation), the plain quantizer elsewhere.
+integer codec for indices (whose bound :func:`saved_index_range` reads off the call, with
+no device synchronisation), the plain quantizer elsewhere.
 
 What it sees:
 
@@ -36,20 +36,29 @@ a GPU, where the same step takes milliseconds, it would be a few percent (not me
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["OpTracker", "TrackedCall", "saved_index_range"]
+__all__ = ["OpTracker", "TrackedCall", "call_argument", "is_same_tensor", "saved_index_range"]
 
 
-class TrackedCall(NamedTuple):
-    """One torch function call in progress."""
+class TrackedCall:
+    """One torch function call in progress.
 
-    name: str
-    args: tuple
-    kwargs: dict
+    ``saves`` counts the tensors the call saved for backward so far; the capture engine
+    counts them, so that a rule can tell saves apart by position (attention saves its query
+    and key before anything else).
+    """
+
+    __slots__ = ("name", "args", "kwargs", "saves")
+
+    def __init__(self, name: str, args: tuple, kwargs: dict, saves: int = 0):
+        self.name = name
+        self.args = args
+        self.kwargs = kwargs
+        self.saves = saves
 
 
 def _function_name(func: Any) -> str:
@@ -114,20 +123,87 @@ _MAX_POOL_DIMS = {
 }
 
 
-def saved_index_range(call: TrackedCall | None) -> tuple[int, int] | None:
-    """``(low, high)`` bounding the integer tensor a call saves, when the call alone tells.
+# Indexing functions whose forward checks every index against one dimension of a source
+# tensor: name -> (index argument, source argument, dimension argument or the fixed
+# dimension, whether negative indices count from the end). Arguments are (position, keywords).
+_INDEXED_BY = {
+    "embedding": ((0, "input"), (1, "weight"), 0, False),
+    "index_select": ((2, "index"), (0, "input"), (1, "dim"), False),
+    "gather": ((2, "index"), (0, "input"), (1, "dim"), False),
+    "index_add": ((2, "index"), (0, "input"), (1, "dim"), False),
+    "index_add_": ((2, "index"), (0, "input"), (1, "dim"), False),
+    "scatter": ((2, "index"), (0, "input"), (1, "dim"), False),
+    "scatter_": ((2, "index"), (0, "input"), (1, "dim"), False),
+    "scatter_add": ((2, "index"), (0, "input"), (1, "dim"), False),
+    "scatter_add_": ((2, "index"), (0, "input"), (1, "dim"), False),
+    "scatter_reduce": ((2, "index"), (0, "input"), (1, "dim"), False),
+    "scatter_reduce_": ((2, "index"), (0, "input"), (1, "dim"), False),
+    "__getitem__": ((1,), (0,), 0, True),
+}
+# Losses whose integer target is a class index of the input's class dimension, or ignore_index.
+_CLASS_TARGETS = {"cross_entropy", "nll_loss"}
+_IGNORE_INDEX_POSITION = 4  # F.cross_entropy and F.nll_loss alike
+_DEFAULT_IGNORE_INDEX = -100
 
-    Max-pool indices address the flattened spatial plane of the input: ``[0, H * W)`` for a
-    2-D pool. The bound comes from the input's shape, so it costs no synchronisation;
-    :class:`~lightning_act.codecs.exact.IndexCodec` takes it as ``value_range``. None for
-    other calls.
+
+def call_argument(call: TrackedCall, position: int, *keywords: str) -> Any:
+    """The call's argument at ``position``, or passed by one of ``keywords``; None if absent."""
+    if position < len(call.args):
+        return call.args[position]
+    return next((call.kwargs[k] for k in keywords if k in call.kwargs), None)
+
+
+def is_same_tensor(candidate: Any, t: torch.Tensor) -> bool:
+    """``candidate`` is the tensor ``t`` autograd saved (the same object, or the same view)."""
+    return isinstance(candidate, torch.Tensor) and (
+        candidate is t
+        or (candidate.data_ptr() == t.data_ptr() and candidate.shape == t.shape and candidate.dtype == t.dtype)
+    )
+
+
+def saved_index_range(call: TrackedCall | None, t: torch.Tensor | None = None) -> tuple[int, int] | None:
+    """``(low, high)`` bounding the integer tensor ``t`` that a call saves, when the call alone
+    tells: from shapes, with no look at the data and so no device synchronisation.
+    :class:`~lightning_act.codecs.exact.IndexCodec` takes it as ``value_range``.
+
+    * Max-pool indices address the flattened spatial plane of the input: ``[0, H * W)`` for
+      a 2-D pool.
+    * An index argument of an indexing function (``embedding``, ``index_select``,
+      ``gather``, ``scatter*``, ``index_add``, ``x[index]``) lies within the indexed
+      dimension of its source, since the forward checked every index against it.
+    * The target of ``cross_entropy`` or ``nll_loss`` is a class of the input or the
+      ``ignore_index``.
+
+    None for other calls, and where ``t`` is not the call's index argument.
     """
-    if call is None or call.name not in _MAX_POOL_DIMS:
+    if call is None:
         return None
-    source = call.args[0] if call.args else call.kwargs.get("input")
-    if not isinstance(source, torch.Tensor):
+    if call.name in _MAX_POOL_DIMS:
+        source = call.args[0] if call.args else call.kwargs.get("input")
+        if not isinstance(source, torch.Tensor):
+            return None
+        plane = 1
+        for size in source.shape[-_MAX_POOL_DIMS[call.name] :]:
+            plane *= size
+        return 0, max(plane - 1, 0)
+    if t is None:
         return None
-    plane = 1
-    for size in source.shape[-_MAX_POOL_DIMS[call.name] :]:
-        plane *= size
-    return 0, max(plane - 1, 0)
+    if call.name in _INDEXED_BY:
+        index_at, source_at, dim_at, negative = _INDEXED_BY[call.name]
+        source = call_argument(call, *source_at)
+        dim = dim_at if isinstance(dim_at, int) else call_argument(call, *dim_at)
+        if not is_same_tensor(call_argument(call, *index_at), t) or not isinstance(source, torch.Tensor):
+            return None
+        if not isinstance(dim, int) or source.dim() == 0 or not -source.dim() <= dim < source.dim():
+            return None
+        size = source.shape[dim]
+        return (-size if negative else 0), max(size - 1, 0)
+    if call.name in _CLASS_TARGETS:
+        scores, target = call_argument(call, 0, "input"), call_argument(call, 1, "target")
+        ignore_index = call_argument(call, _IGNORE_INDEX_POSITION, "ignore_index")
+        ignore_index = _DEFAULT_IGNORE_INDEX if ignore_index is None else ignore_index
+        if not is_same_tensor(target, t) or not isinstance(scores, torch.Tensor) or scores.dim() == 0:
+            return None
+        classes = scores.shape[1] if scores.dim() >= 2 else scores.shape[0]
+        return min(0, ignore_index), max(classes - 1, ignore_index, 0)
+    return None

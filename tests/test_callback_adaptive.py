@@ -54,6 +54,18 @@ def test_recalibrates_and_logs_every_panel_to_tensorboard(tmp_path, estimator):
     assert table.startswith("| tensor | module | op | shape | bits | codec |") and "| net." in table
 
 
+def test_recalibration_is_announced_when_it_starts_and_when_it_ends(tmp_path, caplog):
+    callback = ActCompression(budget=2.0, warmup_steps=1, recalibrate_every_n_steps=100, min_numel=256)
+    with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
+        trainer_for(tmp_path, [callback], 3, enable_checkpointing=False).fit(SmallCNN(), loader())
+    lines = [record.getMessage() for record in caplog.records if "recalibrat" in record.getMessage()]
+    assert lines[0].startswith("lightning_act: recalibrating the bits at step 1: one backward per saved tensor on 8")
+    assert lines[1].startswith("lightning_act: recalibrated at step 1 in ")
+    assert "% of the training time so far" in lines[1] and lines[1].endswith("next at step 101")
+    widths = sum(int(part.split(" at ")[0]) for part in lines[1].split("width: ")[1].split(";")[0].split(", "))
+    assert widths == len(callback.policy.assignment)
+
+
 class Snapshot(Callback):
     """Records state around ActCompression's on_train_batch_start (probes run there)."""
 

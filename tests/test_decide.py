@@ -49,8 +49,41 @@ def test_masks_and_indices_are_lossless_with_the_bound_their_op_implies():
     indices = torch.randint(0, 24, (2, 3, 2, 3))
     pooled = decided(indices, call("max_pool2d", x, 2))
     assert pooled.kind is Kind.INDEX and pooled.value_range == (0, 23)
-    unbounded = decided(indices, call("gather", x, 1, indices))
+    gathered = torch.randint(0, 3, (2, 3, 4, 6))
+    bounded = decided(gathered, call("gather", x, 1, gathered))
+    assert bounded.kind is Kind.INDEX and bounded.value_range == (0, 2)
+    # The same tensor saved by an op that bounds another argument: its range is measured.
+    unbounded = decided(gathered, call("gather", x, 1, gathered.clone()))
     assert unbounded.kind is Kind.INDEX and unbounded.value_range is None
+
+
+def test_unbounded_indices_off_the_cpu_are_kept_rather_than_measured_with_a_host_sync():
+    # A meta tensor stands in for a GPU one: no data, a device other than the CPU.
+    indices = torch.empty(2, 3, 4, 6, dtype=torch.long, device="meta")
+    assert decided(indices, call("mul", indices, 2)).kind is Kind.KEEP
+    source = torch.empty(4096, 8, device="meta")
+    bounded = decided(indices, call("embedding", indices, source))
+    assert bounded.kind is Kind.INDEX and bounded.value_range == (0, 4095)
+
+
+@pytest.mark.parametrize("head_dim", [12, 20])
+def test_padded_copies_of_query_and_key_get_the_softmax_floor_by_position(head_dim):
+    """A GPU's flash attention saves query, key and value padded to a head dim that is a
+    multiple of 8, in that order: new tensors that match no argument by identity."""
+    query, key, value = (torch.randn(2, 4, 16, head_dim) for _ in range(3))
+    padded = head_dim + (-head_dim) % 8
+    attention = call("scaled_dot_product_attention", query, key, value)
+    floors = []
+    for _ in ("query", "key", "value", "output"):
+        floors.append(floor_bits(torch.randn(2, 4, 16, padded), attention))
+        attention.saves += 1  # as the capture engine counts the call's saves
+    assert floors == [8, 8, 1, 1]
+    # Unpadded saves are matched by identity, whatever their position.
+    assert floor_bits(key, call("scaled_dot_product_attention", query, key, value)) == 8
+    assert floor_bits(value, call("scaled_dot_product_attention", query, key, value)) == 1
+    # A head dim that needs no padding: a same-shaped copy is not the query.
+    aligned = call("scaled_dot_product_attention", *(torch.randn(2, 4, 16, 16) for _ in range(3)))
+    assert floor_bits(torch.randn(2, 4, 16, 16), aligned) == 1
 
 
 def test_ops_reading_only_a_sign_get_a_sign_mask():
@@ -117,7 +150,7 @@ def test_one_byte_buffers_without_a_bound_are_kept_as_they_are():
     assert decided(workspace, call("lstm", torch.randn(16, 64, 32))).kind is Kind.KEEP
     assert decided(workspace.to(torch.int8), call("gru", torch.randn(16, 64, 32))).kind is Kind.KEEP
     # Wider integers are measured; a bound from the op makes a one-byte tensor storable too.
-    assert decided(workspace.long(), call("gather", torch.randn(4096), 0)).kind is Kind.INDEX
+    assert decided(workspace.long(), call("mul", workspace.long(), 2)).kind is Kind.INDEX
     pooled = decided(workspace[:36].view(1, 1, 6, 6), call("max_pool2d", torch.randn(1, 1, 12, 12), 2))
     assert pooled.kind is Kind.INDEX and pooled.value_range == (0, 143)
 

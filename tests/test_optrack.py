@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_act.codecs.exact import IndexCodec
-from lightning_act.optrack import OpTracker, saved_index_range
+from lightning_act.optrack import OpTracker, TrackedCall, saved_index_range
 
 
 def saves_by_op(forward, tracker: OpTracker) -> list[tuple[str | None, torch.dtype, tuple]]:
@@ -76,6 +76,57 @@ def test_max_pool_indices_come_with_a_bound():
     assert int(indices.max()) <= value_range[1]
     assert record.width == 8 and torch.equal(record.unpack(), indices)
     assert saved_index_range(None) is None
+
+
+def saved_integer_ranges(fn):
+    """(saved integer tensor, its bound from the call) for every integer save of ``fn()``."""
+    tracker = OpTracker()
+    saved = []
+
+    def pack(t):
+        if not t.is_floating_point() and t.dtype != torch.bool:
+            saved.append((t, saved_index_range(tracker.current_call(), t)))
+        return t
+
+    with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return saved
+
+
+@pytest.mark.parametrize(
+    ("name", "fn", "expected"),
+    [
+        ("embedding", lambda w, i: F.embedding(i, w), (0, 39)),
+        ("index_select", lambda w, i: w.index_select(0, i), (0, 39)),
+        ("gather", lambda w, i: torch.gather(w, 0, i.view(-1, 1).expand(-1, 5)), (0, 39)),  # a broadcast view
+        ("scatter_add", lambda w, i: torch.zeros(40, 5).scatter_add(0, i.view(-1, 1).repeat(1, 5), w[:12]), (0, 39)),
+        ("index_add", lambda w, i: torch.zeros(40, 5).index_add(0, i, w[:12]), (0, 39)),
+        ("getitem", lambda w, i: w[i - 20], (-40, 39)),
+        ("cross_entropy", lambda w, i: F.cross_entropy(w[:12].T.contiguous().T @ torch.randn(5, 40), i), (-100, 39)),
+        ("nll_loss", lambda w, i: F.nll_loss(w[:12] @ torch.randn(5, 40), i, ignore_index=255), (0, 255)),
+    ],
+)
+def test_indexing_ops_bound_their_index_by_the_indexed_dimension(name, fn, expected):
+    torch.manual_seed(0)
+    weight = torch.randn(40, 5, requires_grad=True)
+    index = torch.randint(0, 40, (12,))
+    saved = saved_integer_ranges(lambda: fn(weight, index))
+    assert saved, f"{name} saved no integer tensor"
+    for t, value_range in saved:
+        assert value_range == expected
+        low, high = value_range
+        assert low <= int(t.min()) and int(t.max()) <= high
+        assert torch.equal(IndexCodec().pack(t.contiguous(), 0, 0, value_range=value_range).unpack(), t)
+
+
+def test_an_integer_tensor_that_is_not_the_index_argument_gets_no_bound():
+    source = torch.randn(40, 5)
+    index = torch.randint(0, 40, (12,))
+    other = torch.randint(0, 1000, (12,))
+    call = TrackedCall("index_select", (source, 0, index), {})
+    assert saved_index_range(call, index) == (0, 39)
+    assert saved_index_range(call, other) is None
+    assert saved_index_range(TrackedCall("index_select", (source, 5, index), {}), index) is None  # bad dim
 
 
 def test_steps_aside_under_torch_compile():

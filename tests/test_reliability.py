@@ -773,7 +773,8 @@ def resident_bytes() -> int:
 
 def live_tensors() -> int:
     gc.collect()
-    return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+    # type(), not isinstance(): a dead weak proxy among the objects raises on isinstance.
+    return sum(1 for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor))
 
 
 class MemoryProbe(Callback):

@@ -16,10 +16,13 @@ steps averages out. Each rule below says how backward uses a tensor, read off th
   copy in its own dtype) is alive anyway and passes through; autocast's exact cast copy is
   re-created from the parameter at unpack; any other cast copy is kept as it is;
 * a tensor the step keeps alive anyway (the input batch, buffers): passes through;
-* a boolean mask or integer indices: stored losslessly in the fewest bits they need
-  (max-pool indices with the bound their op implies, so without a device synchronisation);
-  a one-byte integer tensor with no such bound is an opaque buffer (an RNN workspace) and
-  is kept as it is (see ``_OPAQUE_BYTES``);
+* a boolean mask or integer indices: stored losslessly in the fewest bits they need, with
+  the bound their op implies where it does (max-pool indices, the index of an indexing op
+  or a loss's class target: :func:`~lightning_act.optrack.saved_index_range`), so without
+  a device synchronisation. Without such a bound the range is measured on the CPU; on a
+  GPU measuring it would be a host synchronisation per tensor, so the tensor is kept as it
+  is. A one-byte integer tensor with no bound is an opaque buffer (an RNN workspace) and is
+  kept as it is (see ``_OPAQUE_BYTES``);
 * a float tensor that holds one bit per value for its op (LeakyReLU's input, read only
   for its sign; dropout's noise on the CPU): a 1-bit mask, exact;
 * too small, laid out with overlapping elements (a broadcast/unfolded view whose dense
@@ -78,7 +81,7 @@ from torch import nn
 
 from lightning_act.capture.records import Layout
 from lightning_act.codecs.exact import INDEX_DTYPES
-from lightning_act.optrack import TrackedCall, saved_index_range
+from lightning_act.optrack import TrackedCall, call_argument, is_same_tensor, saved_index_range
 
 __all__ = ["Decision", "Kind", "decide", "floor_bits", "source_parameter"]
 
@@ -288,20 +291,26 @@ def _is_direct_output(t: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
 
 
 def _is_attention_score_input(t: torch.Tensor, call: TrackedCall) -> bool:
-    """Whether ``t`` is the query or the key of the attention call saving it."""
+    """Whether ``t`` is the query or the key of the attention call saving it, or its padded
+    copy: the flash kernels need a head dimension that is a multiple of 8 and save copies
+    of query, key and value padded to one, in that order. Value's copy has the same shape
+    as key's; only its position among the call's saves tells them apart."""
     if call.name not in _ATTENTION_OPS:
         return False
-    return any(_is_same_tensor(_argument(call, i, name), t) for i, name in enumerate(("query", "key")))
+    for position, name in enumerate(("query", "key")):
+        source = call_argument(call, position, name)
+        if is_same_tensor(source, t) or (call.saves == position and _is_padded_copy(t, source)):
+            return True
+    return False
 
 
-def _argument(call: TrackedCall, position: int, *names: str):
-    if len(call.args) > position:
-        return call.args[position]
-    return next((call.kwargs[n] for n in names if n in call.kwargs), None)
-
-
-def _is_same_tensor(a, t: torch.Tensor) -> bool:
-    return isinstance(a, torch.Tensor) and (a is t or (a.data_ptr() == t.data_ptr() and a.shape == t.shape))
+def _is_padded_copy(t: torch.Tensor, source) -> bool:
+    """``t`` has ``source``'s shape with the last dimension rounded up to a multiple of 8
+    (heads may differ: grouped-query attention repeats key and value)."""
+    if not isinstance(source, torch.Tensor) or source.dim() < 2 or t.dim() != source.dim():
+        return False
+    width = source.shape[-1]
+    return width % 8 != 0 and t.shape[-1] == width + (-width) % 8 and t.shape[-2] == source.shape[-2]
 
 
 def _is_divisor(t: torch.Tensor, call: TrackedCall) -> bool:
@@ -310,12 +319,12 @@ def _is_divisor(t: torch.Tensor, call: TrackedCall) -> bool:
     if name in _DIVISOR_SAVING_OPS:
         return True
     if name in _DIVISION_OPS:
-        return _is_same_tensor(_argument(call, 1, "other"), t)
+        return is_same_tensor(call_argument(call, 1, "other"), t)
     if name in _POWER_OPS:
-        base, exponent = _argument(call, 0, "input", "self"), _argument(call, 1, "exponent", "other")
+        base, exponent = call_argument(call, 0, "input", "self"), call_argument(call, 1, "exponent", "other")
         if name == "__rpow__":  # x.__rpow__(y) is y ** x
             base, exponent = exponent, base
-        if _is_same_tensor(base, t):
+        if is_same_tensor(base, t):
             # x ** n's backward is n * x ** (n - 1): linear in x for n = 2, singular for n < 1.
             return isinstance(exponent, torch.Tensor) or not (isinstance(exponent, (int, float)) and exponent >= 1)
         return True  # the exponent tensor, or the output (b ** x's backward is log(b) * out)
@@ -365,9 +374,12 @@ def decide(t: torch.Tensor, call: TrackedCall | None, *, external: bool, min_num
     elif t.dtype == torch.bool:
         kind = Kind.MASK
     elif t.dtype in INDEX_DTYPES:
-        value_range = saved_index_range(call)
+        value_range = saved_index_range(call, t)
         if value_range is None and t.element_size() == 1:
             return Decision(Kind.KEEP, min_bits)  # an opaque byte buffer: see _OPAQUE_BYTES
+        if value_range is None and t.device.type != "cpu":
+            # Measuring the range would read it back to the host: a synchronisation per tensor.
+            return Decision(Kind.KEEP, min_bits)
         kind = Kind.INDEX
     else:
         return Decision(Kind.KEEP, min_bits)

@@ -66,6 +66,7 @@ class Probe:
     def __init__(self, codec: GroupQuantCodec, seed: int):
         self.codec = codec
         self.slots: list[str] = []
+        self._dense: dict[str, torch.Tensor] = {}
         self.noisy_slot: str | None = None
         self.bits = 2
         self._seed = seed
@@ -79,6 +80,22 @@ class Probe:
     def next_seed(self) -> int:
         self._draws += 1
         return splitmix64(self._seed + self._draws) >> 1
+
+    def add(self, slot: str, dense: torch.Tensor) -> None:
+        """A slot to probe, with the exact tensor its record holds."""
+        self.slots.append(slot)
+        self._dense[slot] = dense
+
+    def rounding_energies(self, widths: Sequence[int]) -> torch.Tensor:
+        """``||Q_b(x) - x||**2`` of every slot (rows) at every width (columns), from one
+        rounding each, on the device: what the slot's noise is at each width, before
+        backward scales it."""
+        rows = []
+        for slot in self.slots:
+            dense = self._dense[slot]
+            errors = [(self.codec.pack(dense, b, self.next_seed()).unpack() - dense).float().square().sum() for b in widths]
+            rows.append(torch.stack(errors))
+        return torch.stack(rows).cpu() if rows else torch.zeros(0, len(widths))
 
 
 class ActivationCapture:
@@ -375,6 +392,8 @@ class ActivationCapture:
         call = self._tracker.current_call()
         op = None if call is None else call.name
         decision = decide(t, call, external=self._live(self._external, ptr), min_numel=self.config.min_numel)
+        if call is not None:
+            call.saves += 1
         kind = decision.kind
         if kind is Kind.PARAMETER or kind is Kind.EXTERNAL:
             self._count_uncounted(Outcome.PARAMETER if kind is Kind.PARAMETER else Outcome.EXTERNAL)
@@ -497,7 +516,7 @@ class ActivationCapture:
         )
         if self._probe is not None:
             if not self.policy.pins_bits(info):  # a rule decides its bits: nothing to measure
-                self._probe.slots.append(slot)
+                self._probe.add(slot, dense.detach())
             self._account(module, t, Outcome.EXACT, 0)
             return Compressed(ProbeRecord(self._probe, slot, dense.detach()), layout)
         bits = self.policy.bits_for(slot, info)

@@ -210,16 +210,15 @@ class IndexCodec:
 
     The range must be known on the host, since it sets the size of the output. Two ways:
 
-    * the caller passes ``value_range`` when it knows a bound without looking at the data,
-      e.g. max-pool indices lie in ``[0, H_in * W_in)`` of the pooled input, which the
-      capture engine can read off the op's arguments. No device work, no synchronisation;
-      a bound that does not hold corrupts the tensor, so pass only guaranteed bounds;
+    * the caller passes ``value_range`` when it knows a bound without looking at the data
+      (:func:`~lightning_act.optrack.saved_index_range` reads one off the op's arguments:
+      max-pool indices, an indexing op's index, a loss's class target). No device work, no
+      synchronisation; a bound that does not hold corrupts the tensor, so pass only
+      guaranteed bounds;
     * otherwise :meth:`pack` measures it with one fused ``aminmax`` pass and a single
       device-to-host copy of the two numbers. On a GPU that copy waits for the queue to
-      drain, so call the codec only for tensors large enough to be worth it (the capture
-      engine keeps tensors below its ``min_numel`` as they are). Integer tensors are rare
-      among saved tensors (max-pool indices, graph edge indices, embedding ids that belong
-      to the batch anyway), so a step pays for a few synchronisations at most.
+      drain, which is why the capture engine measures only CPU tensors and keeps an
+      unbounded integer tensor on a GPU as it is.
 
     ``bits`` and ``seed`` of :meth:`pack` are ignored.
     """
