@@ -139,6 +139,32 @@ def test_estimators_give_decreasing_variance_tables():
         assert table[1] > table[2] > table[4] > table[8] > 0
 
 
+def test_probes_scale_their_one_width_by_the_noise_each_width_puts_into_the_tensor():
+    """A tensor with four evenly spaced levels per group is exact at 2 bits: the probe sees
+    that from the rounding noise itself, which a model of uniform noise would not."""
+    torch.manual_seed(0)
+
+    class Levels(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 256), nn.Linear(256, 8)
+
+        def forward(self, x):
+            levels = torch.round(torch.sigmoid(self.a(x)) * 3)  # 0, 1, 2, 3 in every group
+            return self.b(levels)
+
+    model = Levels()
+    x = torch.randn(64, 64) * 4
+    capture = ActivationCapture(CompressionConfig(min_numel=256), model)
+    tables = probe_sensitivities(capture, lambda: model(x).square().mean(), list(model.parameters()), inputs=x)
+    levels = tables["b#0"]  # b's input
+    # 2 bits hit the levels exactly; 4 and 8 bits nearly (their steps, 3/15 and 3/255, are
+    # not exact in floating point); 1 bit does not.
+    assert levels[2] == 0.0 and levels[1] > 100 * max(levels[4], levels[8])
+    plain = tables["<outside modules>#0"]  # the loss's input: no structure
+    assert plain[1] > plain[2] > plain[4] > plain[8] > 0.0
+
+
 def test_probes_leave_grads_untouched():
     torch.manual_seed(0)
     model = Net()

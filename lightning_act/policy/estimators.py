@@ -3,11 +3,13 @@ is stored at ``b`` bits. Both return ``{slot: {1: v, 2: v, 4: v, 8: v}}``.
 
 * :func:`probe_sensitivities` measures it (GACT's probes): one forward on a slice of the
   batch with every candidate tensor kept exact, one exact backward, then for each tensor
-  one backward per probed bit width with only that tensor quantized. The measurement
-  includes what no model predicts well: a zero-preserving group (a ReLU output) has one
-  level fewer at 2 bits (and is never given 1 bit, where its backward mask would flip).
-  Costs one backward pass per tensor and probed width on the slice (default: 1 and 2
-  bits, the two that decide the allocation; wider widths follow from 2 bits).
+  one backward with only that tensor quantized, at 2 bits (or its floor). The other widths
+  follow from the noise each width puts into that tensor, measured by rounding it once per
+  width (no backward): backward scales a tensor's noise by the same factor whatever its
+  width, so ``v_i(b) = v_i(2) ||Q_b(x_i) - x_i||**2 / ||Q_2(x_i) - x_i||**2``. The
+  measurement includes what no model predicts well: a zero-preserving group (a ReLU
+  output) has one level fewer at 2 bits, a tensor with few distinct values rounds with
+  less noise. Costs one backward pass per tensor on the slice.
 * :class:`GradientSensitivity` models it from the normal training step: stochastic
   rounding of a group with range ``r`` at ``b`` bits adds noise of energy
   ``G r**2 S(b) / 6``, which reaches the gradient scaled by the gradient flowing out of the
@@ -115,7 +117,6 @@ def probe_sensitivities(
     capture,
     loss_fn: Callable[[], torch.Tensor],
     params: Sequence[torch.Tensor],
-    probe_bits: Sequence[int] = (1, 2),
     inputs=None,
     weights: Sequence[torch.Tensor | float | None] | None = None,
     update_share: float = 0.5,
@@ -134,9 +135,6 @@ def probe_sensitivities(
         capture: the :class:`~lightning_act.capture.ActivationCapture` whose slots to probe.
         loss_fn: runs the forward (on a small batch) and returns the scalar loss.
         params: the parameters whose gradient variance counts; their ``.grad`` is untouched.
-        probe_bits: the bit widths measured (those below a slot's ``min_bits`` are skipped);
-            the others are extrapolated from the widest measured with the plain
-            quantizer's ``S(b)`` (wider ones add tiny variance either way).
         inputs: tensors alive for the whole step (the batch), as in ``capture.start``.
         weights: per parameter, a factor on its squared gradient error (see
             :func:`update_weights`): the variance of the optimizer's update.
@@ -159,26 +157,27 @@ def probe_sensitivities(
     with capture.probing(inputs) as probe:
         loss = loss_fn()
     exact = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-    measured: list[torch.Tensor] = []
-    # A slot is probed only at the widths it may get (a ReLU output never gets 1 bit).
     floors = {slot: capture.slots[slot].min_bits for slot in probe.slots}
-    widths = {slot: [b for b in probe_bits if b >= floor] or [floor] for slot, floor in floors.items()}
+    # Row i: slot i's rounding noise at each supported width.
+    noise = dict(zip(probe.slots, probe.rounding_energies(SUPPORTED_BITS).tolist()))
+    probed: dict[str, int] = {}
+    measured: list[torch.Tensor] = []
     for slot in probe.slots:
-        for bits in widths[slot]:
-            probe.quantize_only(slot, bits)
-            noisy = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-            measured.append(_error_energies(noisy, exact, norms))
+        width = _probe_width(floors[slot], noise[slot])
+        if width is None:  # stored exactly at every width it may get: adds no variance
+            continue
+        probe.quantize_only(slot, width)
+        noisy = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        measured.append(_error_energies(noisy, exact, norms))
+        probed[slot] = width
     probe.quantize_only(None, 0)
     del loss
-    if not measured:
-        return {}
-    values = iter(torch.stack(measured).tolist())
-    tables = [{} for _ in norms]  # per norm: slot -> bits -> variance
-    for slot in probe.slots:
-        for bits in widths[slot]:
-            for table, value in zip(tables, next(values)):
-                table.setdefault(slot, {})[bits] = value
-    tables = [_extrapolate(table) for table in tables]
+    values = iter(torch.stack(measured).tolist() if measured else [])
+    tables = [{slot: dict.fromkeys(SUPPORTED_BITS, 0.0) for slot in probe.slots} for _ in norms]
+    for slot, width in probed.items():
+        energy = dict(zip(SUPPORTED_BITS, noise[slot]))
+        for table, value in zip(tables, next(values)):
+            table[slot] = {bits: value * energy[bits] / energy[width] for bits in SUPPORTED_BITS}
     if weights is None:
         return tables[0]
     gradient, update = tables
@@ -195,14 +194,13 @@ def probe_sensitivities(
     }
 
 
-def _extrapolate(tables: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
-    """Fill the widths not probed from the widest one probed, with ``S(b)``."""
-    for table in tables.values():
-        widest = max(table)
-        for bits in SUPPORTED_BITS:
-            if bits not in table:
-                table[bits] = table[widest] * quantization_variance(bits) / quantization_variance(widest)
-    return tables
+def _probe_width(floor: int, noise: Sequence[float]) -> int | None:
+    """The width a slot's backward is probed at: 2 bits, the width most allocations hinge
+    on, or the narrowest above its floor; else the narrowest that adds noise; None if no
+    width the slot may get adds any."""
+    allowed = sorted((b for b in SUPPORTED_BITS if b >= floor), key=lambda b: (b < 2, b))
+    energy = dict(zip(SUPPORTED_BITS, noise))
+    return next((b for b in allowed if energy[b] > 0.0), None)
 
 
 def _error_energies(noisy, exact, norms: list[list | None]) -> torch.Tensor:

@@ -1,0 +1,121 @@
+"""What the adaptive policy's recalibration costs, next to the training steps it serves.
+
+Two models of the size the adaptive policy is meant for, each trained by a plain Lightning
+Trainer with ``ActCompression`` at the callback's defaults (probe estimator on 8 samples,
+20 warm-up steps, a recalibration every 1,000 steps) on Tiny Shakespeare:
+
+* the Shakespeare config's character transformer (d256, 4 layers, T128, batch 64, budget 4,
+  attention pinned at 8 bits), as ``configs/shakespeare_transformer.yaml`` trains it;
+* a small HF ``LlamaForCausalLM`` (``benchmarks/llama_accuracy.py``'s: d128, 2 layers,
+  T64, batch 32, budget 2).
+
+Each runs the warm-up, the first recalibration and a few steps after it. It reports the
+recalibration's wall time (``ActCompression.recalibration_ms``), the median step time
+after it (the recalibration's own step excluded), the recalibration in steps' time, and
+its share of training time at the defaults: one recalibration per 1,000 steps, the first
+one included (``recalibration / (recalibration + 1,000 steps)``).
+
+    python benchmarks/recalibration_cost.py --data ../shared/data --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from lightning_act import ActCompression
+from lightning_act.examples.language import CharTextDataModule, CharTransformer
+
+
+class StepTimes(L.Callback):
+    """Wall time of each training step, from batch start to batch end."""
+
+    def __init__(self):
+        self.seconds: list[float] = []
+        self._started = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seconds.append(time.perf_counter() - self._started)
+
+
+def shakespeare_case(data: Path):
+    model = CharTransformer(d_model=256, n_layers=4, n_heads=4, block_size=128)
+    path = data / "tinyshakespeare" / "input.txt"
+    datamodule = CharTextDataModule(path, block_size=128, batch_size=64, num_workers=0)
+    return model, datamodule, {"budget": 4.0, "rules": {"blocks.*.attn*": 8}}
+
+
+def llama_case(data: Path):
+    from llama_accuracy import BLOCK_SIZE, LlamaBytes
+
+    model = LlamaBytes()
+    datamodule = CharTextDataModule(data / "tinyshakespeare" / "input.txt", block_size=BLOCK_SIZE, batch_size=32,
+                                    num_workers=0)
+    return model, datamodule, {"budget": 2.0}
+
+
+CASES = {"shakespeare_transformer": shakespeare_case, "hf_llama": llama_case}
+
+
+def measure(case, data: Path, steps_after: int) -> dict:
+    L.seed_everything(0)
+    model, datamodule, settings = case(data)
+    callback = ActCompression(**settings)
+    timer = StepTimes()
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=callback.warmup_steps + 1 + steps_after, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[callback, timer],
+    )
+    trainer.fit(model, datamodule)
+    if callback.recalibrations != 1:
+        raise RuntimeError(f"expected one recalibration, got {callback.recalibrations}")
+    recalibration_s = callback.recalibration_ms / 1e3
+    step_s = statistics.median(timer.seconds[callback.warmup_steps + 1:])
+    interval = callback.recalibrate_every_n_steps
+    return {
+        "settings": settings,
+        "tensors_probed": len(callback.sensitivity),
+        "probe_samples": callback.probe_samples,
+        "recalibration_s": recalibration_s,
+        "step_s": step_s,
+        "recalibration_in_steps": recalibration_s / step_s,
+        "share_at_defaults_pct": 100.0 * recalibration_s / (recalibration_s + interval * step_s),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=Path("../shared/data"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--steps-after", type=int, default=5, help="steps timed after the recalibration")
+    parser.add_argument("--only", nargs="*", choices=sorted(CASES), help="models to run (default: all)")
+    args = parser.parse_args()
+    results = {"device": "cpu", "machine": platform.machine(), "torch": torch.__version__,
+               "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}
+    for name, case in CASES.items():
+        if args.only and name not in args.only:
+            continue
+        results[name] = measure(case, args.data, args.steps_after)
+        r = results[name]
+        print(f"{name}: {r['tensors_probed']} tensors probed, recalibration {r['recalibration_s']:.2f} s = "
+              f"{r['recalibration_in_steps']:.1f} steps of {r['step_s']:.3f} s; "
+              f"{r['share_at_defaults_pct']:.2f}% of training at the defaults", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "recalibration_cost_cpu.json"
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
