@@ -10,6 +10,13 @@ ReLU's output, which is also the next Linear's input and is stored once). Steps 
 without the capture alternate in rounds, so drifting load hits both alike; the fastest
 round of each is compared.
 
+Next to it, the part of that cost no Python-level capture can avoid: the same session with
+a pack hook that passes every tensor through (the saved-tensor hooks, the op tracker and
+the module hooks that name the saving module, with nothing decided or stored), and the
+codec's own op calls for one layer (one pack of the ReLU output, which two backward nodes
+decode), timed alone. Their sum is the floor for this design; below it, the hooks
+themselves would have to move to C++.
+
     python benchmarks/capture_overhead.py
 """
 
@@ -25,6 +32,22 @@ import torch
 from torch import nn
 
 from lightning_act import ActivationCapture, CompressionConfig
+from lightning_act.codecs import GroupQuantCodec
+
+
+def codec_calls_us(x: torch.Tensor, repeats: int) -> float:
+    """One layer's codec op calls, alone: a ReLU output packed at 2 bits, decoded twice."""
+    codec = GroupQuantCodec(CompressionConfig().group_size)
+    activation = torch.relu(torch.nn.functional.linear(x, torch.randn(64, 64)))
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        for _ in range(repeats):
+            record = codec.pack(activation, 2, 1)
+            record.unpack()
+            record.unpack()
+        times.append((time.perf_counter() - started) / repeats * 1e6)
+    return min(times)
 
 
 def main():
@@ -38,45 +61,57 @@ def main():
     torch.manual_seed(0)
     model = nn.Sequential(*(m for _ in range(args.layers) for m in (nn.Linear(64, 64), nn.ReLU())))
     x = torch.randn(4, 64)
-    capture = ActivationCapture(CompressionConfig(bits=2, min_numel=1), model)
+    config = CompressionConfig(bits=2, min_numel=1)
+    capture = ActivationCapture(config, model)
+    hooks_only = ActivationCapture(config, model)
+    hooks_only._pack = torch.Tensor.detach  # every save passes through: the mechanism alone
+    sessions = {"plain": None, "hooks": hooks_only, "capture": capture}
 
-    def step(compressed: bool) -> None:
-        if compressed:
-            with capture.capturing(inputs=x):
+    def step(session: ActivationCapture | None) -> None:
+        if session is not None:
+            with session.capturing(inputs=x):
                 loss = model(x).sum()
         else:
             loss = model(x).sum()
         loss.backward()
 
-    def round_ms(compressed: bool) -> float:
+    def round_ms(session: ActivationCapture | None) -> float:
         started = time.perf_counter()
         for _ in range(args.steps):
-            step(compressed)
+            step(session)
         return (time.perf_counter() - started) / args.steps * 1e3
 
-    for compressed in (False, True):  # warm-up: kernels loaded, allocator primed
-        round_ms(compressed)
-    rounds = {False: [], True: []}
+    for session in sessions.values():  # warm-up: kernels loaded, allocator primed
+        round_ms(session)
+    rounds = {name: [] for name in sessions}
     for _ in range(args.rounds):
-        for compressed in (False, True):
-            rounds[compressed].append(round_ms(compressed))
-    plain, captured = min(rounds[False]), min(rounds[True])
-    step(True)
+        for name, session in sessions.items():
+            rounds[name].append(round_ms(session))
+    best = {name: min(times) for name, times in rounds.items()}
+    step(capture)
     counts = dict(sorted(capture.report.counts.items()))
-    per_layer_us = (captured - plain) / args.layers * 1e3
-    print(f"{args.layers} Linear+ReLU layers, batch 4, width 64: step {plain:.2f} ms plain, {captured:.2f} ms "
-          f"with the capture; {per_layer_us:.0f} us more per layer; saved tensors per step: {counts}")
+    per_layer_us = (best["capture"] - best["plain"]) / args.layers * 1e3
+    hooks_us = (best["hooks"] - best["plain"]) / args.layers * 1e3
+    codec_us = codec_calls_us(x, args.rounds * args.steps)
+    print(f"{args.layers} Linear+ReLU layers, batch 4, width 64: step {best['plain']:.2f} ms plain, "
+          f"{best['hooks']:.2f} ms with pass-through hooks, {best['capture']:.2f} ms with the capture; per layer: "
+          f"{per_layer_us:.1f} us more with the capture, of which the hooks take {hooks_us:.1f} us and the codec's "
+          f"op calls {codec_us:.1f} us (floor {hooks_us + codec_us:.1f} us); saved tensors per step: {counts}")
     result = {
         "device": "cpu",
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "layers": args.layers,
-        "plain_step_ms": plain,
-        "capture_step_ms": captured,
+        "plain_step_ms": best["plain"],
+        "hooks_step_ms": best["hooks"],
+        "capture_step_ms": best["capture"],
         "extra_us_per_layer": per_layer_us,
+        "hooks_us_per_layer": hooks_us,
+        "codec_calls_us_per_layer": codec_us,
+        "floor_us_per_layer": hooks_us + codec_us,
         "decisions_per_step": counts,
-        "rounds_ms": {"plain": rounds[False], "capture": rounds[True]},
+        "rounds_ms": rounds,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "capture_overhead_cpu.json"

@@ -258,13 +258,15 @@ def _is_inside_composite(t: torch.Tensor, call: TrackedCall) -> bool:
 
 def _is_statistic(t: torch.Tensor, call: TrackedCall) -> bool:
     inputs = _tensor_arguments(call)
+    # Only a larger activation makes it a statistic; a parameter's size says nothing. Checked
+    # first: most saved tensors have no input that much larger, and this is the cheap test.
+    larger = [a for a in inputs if a.numel() >= t.numel() * _STATISTIC_RATIO]
+    if not larger or all(source_parameter(a)[0] is not None for a in larger):
+        return False
     if _is_input(t, inputs):
         return False
-    if t.grad_fn is not None and not _is_direct_output(t, inputs):
-        return False  # an activation inside a composite op (a recurrent step's gate)
-    # Only a larger activation makes it a statistic; a parameter's size says nothing.
-    larger = (a for a in inputs if a.numel() >= t.numel() * _STATISTIC_RATIO)
-    return any(source_parameter(a)[0] is None for a in larger)
+    # Not an activation inside a composite op (a recurrent step's gate).
+    return t.grad_fn is None or _is_direct_output(t, inputs)
 
 
 def _is_direct_output(t: torch.Tensor, inputs: list[torch.Tensor]) -> bool:

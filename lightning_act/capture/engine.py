@@ -352,23 +352,26 @@ class ActivationCapture:
     def _account(self, module: str, t: torch.Tensor, outcome: Outcome, stored: int) -> ModuleMemory:
         """Add one saved tensor to the report; its storage counts once however often saved."""
         report = self.report
-        report.counts[outcome.value] = report.counts.get(outcome.value, 0) + 1
+        value = outcome.value
+        report.counts[value] = report.counts.get(value, 0) + 1
         stats = report.modules.get(module)
         if stats is None:
             stats = report.modules[module] = ModuleMemory()
         call = self._tracker.current_call()  # the op saving it: the same one _pack saw
         stats.note(outcome, None if call is None else call.name)
-        ptr, ref = storage_key(t)
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        # A weak reference is made only for a storage not seen yet: most saves share one.
         if not self._live(self._saved_storages, ptr):
-            self._saved_storages[ptr] = ref
-            nbytes = t.untyped_storage().nbytes()
+            self._saved_storages[ptr] = StorageWeakRef(storage)
+            nbytes = storage.nbytes()
             report.saved_bytes += nbytes
             stats.saved_bytes += nbytes
         if outcome.keeps_storage:
             if self._live(self._kept_storages, ptr):
                 return stats
-            self._kept_storages[ptr] = ref
-            stored = t.untyped_storage().nbytes()
+            self._kept_storages[ptr] = self._saved_storages[ptr]
+            stored = storage.nbytes()
         elif outcome.encodes:
             stats.compressed += 1
         report.stored_bytes += stored
@@ -471,7 +474,8 @@ class ActivationCapture:
                 guaranteed = math.inf
             elif self._codec_for(module, op, decision).unbiased:
                 guaranteed = self._bits_needed(module, op, decision)
-        storage = StorageWeakRef(t.untyped_storage())
+        # The storage's weak reference, made when the save was accounted.
+        storage = self._saved_storages[key[0]]
         self._dedup[key] = Shared(storage, (t.shape, t.stride()), saved, run_record, guaranteed)
 
     def _bits_needed(self, module: str, op: str | None, decision: Decision) -> float:

@@ -91,6 +91,8 @@ def storage_region(t: torch.Tensor) -> tuple[int, int] | None:
     Such a tensor, read in memory order, is that run; so are its other views of the same run
     (a transpose, a reshape), which can therefore share one stored copy.
     """
+    if t.is_contiguous():  # the common case, checked in C++
+        return t.storage_offset(), t.numel()
     extent = 1
     for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
         if stride != extent:

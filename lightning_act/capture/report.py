@@ -35,20 +35,14 @@ class Outcome(enum.Enum):
     #: Served by the copy stored for an earlier save of the same tensor: stores nothing more.
     DEDUPLICATED = "deduplicated"
 
-    @property
-    def keeps_storage(self) -> bool:
-        """Whether the saved tensor's own storage stays allocated for backward."""
-        return self in (Outcome.KEPT, Outcome.EXACT, Outcome.STATISTIC)
-
-    @property
-    def encodes(self) -> bool:
-        """Whether a codec's record replaces the saved tensor."""
-        return self in (Outcome.COMPRESSED, Outcome.LOSSLESS)
-
-    @property
-    def counted(self) -> bool:
-        """Whether its tensors are in the byte totals and the per-module rows."""
-        return self not in (Outcome.PARAMETER, Outcome.EXTERNAL)
+    def __init__(self, value: str):
+        # Plain attributes, not properties: the capture engine reads them for every save.
+        #: Whether the saved tensor's own storage stays allocated for backward.
+        self.keeps_storage = value in ("kept", "exact", "statistic")
+        #: Whether a codec's record replaces the saved tensor.
+        self.encodes = value in ("compressed", "lossless")
+        #: Whether its tensors are in the byte totals and the per-module rows.
+        self.counted = value not in ("parameter", "external")
 
     @property
     def description(self) -> str:
