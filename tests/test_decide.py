@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_act import ActivationCapture, CompressionConfig
 from lightning_act.capture.decide import Decision, Kind, decide, floor_bits, source_parameter
 from lightning_act.capture.records import Layout
 from lightning_act.optrack import TrackedCall
@@ -84,6 +85,39 @@ def test_padded_copies_of_query_and_key_get_the_softmax_floor_by_position(head_d
     # A head dim that needs no padding: a same-shaped copy is not the query.
     aligned = call("scaled_dot_product_attention", *(torch.randn(2, 4, 16, 16) for _ in range(3)))
     assert floor_bits(torch.randn(2, 4, 16, 16), aligned) == 1
+
+
+def test_normalisation_inputs_are_grouped_within_the_rows_they_normalise():
+    tokens = torch.randn(8, 65, 192)
+    assert decided(tokens, call("layer_norm", tokens, (192,))).row_group == 64
+    frames = torch.randn(2, 64, 192)
+    assert decided(frames, call("rms_norm", frames, [64, 192])).row_group == 4096  # 64 * 192 = 4096 * 3
+    maps = torch.randn(4, 32, 6, 6)
+    assert decided(maps, call("group_norm", maps, 8)).row_group == 16  # 4 channels of 36: 144 = 16 * 9 values
+    assert decided(maps, call("instance_norm", maps)).row_group == 4  # one 6x6 plane
+    # BatchNorm's rows (channels) are strided, a strided input's rows are not runs, and other
+    # ops normalise nothing: the groups are the configured ones.
+    assert decided(maps, call("batch_norm", maps)).row_group is None
+    strided = tokens.transpose(1, 2)
+    assert decided(strided, call("layer_norm", strided, (65,))).row_group is None
+    assert decided(tokens, call("linear", tokens)).row_group is None
+
+
+def test_a_token_with_a_small_std_keeps_its_gradient_when_groups_stay_within_tokens():
+    """One token of a LayerNorm input at 1/1000 the scale of the others: a 256-value group
+    across tokens rounds it to noise that backward multiplies by its 1 / std."""
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(192)
+    x = torch.randn(4, 10, 192)
+    x[:, 3] *= 1e-3
+    x.requires_grad_(True)
+    grad_out = torch.randn(4, 10, 192)
+    (exact,) = torch.autograd.grad(norm(x), x, grad_out)
+    capture = ActivationCapture(CompressionConfig(bits=4, min_numel=1), norm)
+    with capture.capturing():
+        y = norm(x * 1.0)  # a product, so that the capture stores the input
+    (noisy,) = torch.autograd.grad(y, x, grad_out)
+    assert ((noisy - exact).norm() / exact.norm()).item() < 0.05
 
 
 def test_ops_reading_only_a_sign_get_a_sign_mask():

@@ -33,7 +33,9 @@ steps averages out. Each rule below says how backward uses a tensor, read off th
 * a reduction statistic, at least 8 times smaller than its op's largest input and an
   output of the op itself (LayerNorm's mean and rstd, attention's logsumexp, not a
   recurrent op's per-step state): kept exact, since backward multiplies its noise in;
-* anything else: quantized, at no fewer bits than :func:`floor_bits` allows:
+* anything else: quantized, at no fewer bits than :func:`floor_bits` allows, and, for the
+  input of a normalisation that scales each row by its own 1 / std (LayerNorm, RMSNorm,
+  GroupNorm, InstanceNorm), in groups that never span two rows (:func:`normalized_row`):
 
   - 2 bits for a ReLU output, whose backward reads ``out > 0`` and which the next layer
     saves too: a codec that keeps zeros exact (the quantizer) makes ReLU's gradient exact;
@@ -74,6 +76,7 @@ decision of each slot repeats too, and may be computed once and replayed.
 from __future__ import annotations
 
 import enum
+import math
 from typing import NamedTuple
 
 import torch
@@ -83,7 +86,7 @@ from lightning_act.capture.records import Layout
 from lightning_act.codecs.exact import INDEX_DTYPES
 from lightning_act.optrack import TrackedCall, call_argument, is_same_tensor, saved_index_range
 
-__all__ = ["Decision", "Kind", "decide", "floor_bits", "source_parameter"]
+__all__ = ["Decision", "Kind", "decide", "floor_bits", "normalized_row", "source_parameter"]
 
 # Ops whose backward reads only ``out > 0`` of the output they save, while the next layer
 # usually saves the same tensor for its values.
@@ -127,6 +130,13 @@ _INSIDE_COMPOSITE_BITS = 4
 # Dropout on the CPU saves its noise, bernoulli(1 - p) / (1 - p): a mask and a known scale
 # (on a GPU it saves a boolean mask, stored losslessly like any other).
 _DROPOUT_OPS = frozenset({"dropout", "dropout_"})
+# Normalisations whose backward scales each row's noise by that row's 1 / std. A group of
+# the quantizer that spans two rows takes its range from the wider one, and the narrow
+# row's rounding noise, amplified by its small std, swamps its gradient: on a ViT, groups
+# of 256 values across tokens of 192 made the 2-bit gradient 611x the exact one's norm and
+# biased; groups within a token (64) brought it to 0.6, unbiased. The input of these ops is
+# therefore quantized in groups that stay within one row.
+_ROW_NORMALIZING_OPS = frozenset({"layer_norm", "rms_norm", "group_norm", "instance_norm"})
 
 # A float tensor that its op computed (not one of the op's arguments) and that is at least
 # this many times smaller than the op's largest activation argument is a reduction
@@ -211,6 +221,9 @@ class Decision(NamedTuple):
     layout: Layout | None = None
     #: :attr:`Kind.RECAST_WEIGHT`: the parameter to cast again at unpack.
     parameter: nn.Parameter | None = None
+    #: :attr:`Kind.QUANTIZE` of a normalisation's input: the largest group (a power of two)
+    #: that stays within one of the rows the op normalises separately.
+    row_group: int | None = None
 
 
 def source_parameter(t: torch.Tensor) -> tuple[nn.Parameter | None, bool]:
@@ -333,6 +346,31 @@ def _is_divisor(t: torch.Tensor, call: TrackedCall) -> bool:
     return False
 
 
+def normalized_row(t: torch.Tensor, call: TrackedCall | None) -> int | None:
+    """Values per row that ``call`` normalises on its own, when ``t`` is its contiguous
+    input and those rows are runs of memory: LayerNorm's and RMSNorm's last dimensions,
+    one GroupNorm group, one InstanceNorm plane. None otherwise (BatchNorm's channels are
+    strided, not runs)."""
+    if call is None or call.name not in _ROW_NORMALIZING_OPS or not t.is_contiguous():
+        return None
+    if not is_same_tensor(call_argument(call, 0, "input"), t) or t.dim() < 1:
+        return None
+    if call.name in ("layer_norm", "rms_norm"):
+        shape = call_argument(call, 1, "normalized_shape")
+        shape = (shape,) if isinstance(shape, int) else tuple(shape or ())
+        if not shape or tuple(t.shape[-len(shape) :]) != shape:
+            return None
+        return math.prod(shape)
+    if t.dim() < 2:
+        return None
+    if call.name == "group_norm":
+        groups = call_argument(call, 1, "num_groups")
+        if not isinstance(groups, int) or groups < 1 or t.shape[1] % groups:
+            return None
+        return t.shape[1] // groups * math.prod(t.shape[2:])
+    return math.prod(t.shape[2:])  # instance_norm: one plane of one sample
+
+
 def floor_bits(t: torch.Tensor, call: TrackedCall | None) -> int:
     """The fewest bits a saved tensor may get from how its op's backward reads it."""
     if call is None:
@@ -391,7 +429,9 @@ def decide(t: torch.Tensor, call: TrackedCall | None, *, external: bool, min_num
     if kind is Kind.QUANTIZE:
         if call is not None and _is_statistic(t, call):
             return Decision(Kind.STATISTIC, min_bits)
-        return Decision(kind, min_bits, keeps_zeros=op in _ZERO_EXACT_OPS, layout=layout)
+        row = normalized_row(t, call)
+        row_group = row & -row if row else None  # the largest power of two dividing the row
+        return Decision(kind, min_bits, keeps_zeros=op in _ZERO_EXACT_OPS, layout=layout, row_group=row_group)
     if kind is Kind.INDEX:
         return Decision(kind, min_bits, value_range=value_range, layout=layout)
     if kind is Kind.SIGN_MASK and op in _DROPOUT_OPS:

@@ -46,6 +46,7 @@ from lightning_act.codecs import (
 )
 from lightning_act.config import CODECS, CompressionConfig
 from lightning_act.ops import count_nonfinite_groups
+from lightning_act.ops.validation import MIN_GROUP_SIZE
 from lightning_act.optrack import OpTracker
 from lightning_act.policy import BitPolicy, FixedBits, SlotInfo
 from lightning_act.policy.estimators import GradientSensitivity, probe_sensitivities, update_weights
@@ -63,10 +64,9 @@ def splitmix64(x: int) -> int:
 class Probe:
     """The handle :meth:`ActivationCapture.probing` yields: which slot is quantized now."""
 
-    def __init__(self, codec: GroupQuantCodec, seed: int):
-        self.codec = codec
+    def __init__(self, seed: int):
         self.slots: list[str] = []
-        self._dense: dict[str, torch.Tensor] = {}
+        self._dense: dict[str, tuple[torch.Tensor, GroupQuantCodec]] = {}
         self.noisy_slot: str | None = None
         self.bits = 2
         self._seed = seed
@@ -81,10 +81,10 @@ class Probe:
         self._draws += 1
         return splitmix64(self._seed + self._draws) >> 1
 
-    def add(self, slot: str, dense: torch.Tensor) -> None:
-        """A slot to probe, with the exact tensor its record holds."""
+    def add(self, slot: str, dense: torch.Tensor, codec: GroupQuantCodec) -> None:
+        """A slot to probe, with the exact tensor its record holds and its quantizer."""
         self.slots.append(slot)
-        self._dense[slot] = dense
+        self._dense[slot] = (dense, codec)
 
     def rounding_energies(self, widths: Sequence[int]) -> torch.Tensor:
         """``||Q_b(x) - x||**2`` of every slot (rows) at every width (columns), from one
@@ -92,8 +92,8 @@ class Probe:
         backward scales it."""
         rows = []
         for slot in self.slots:
-            dense = self._dense[slot]
-            errors = [(self.codec.pack(dense, b, self.next_seed()).unpack() - dense).float().square().sum() for b in widths]
+            dense, codec = self._dense[slot]
+            errors = [(codec.pack(dense, b, self.next_seed()).unpack() - dense).float().square().sum() for b in widths]
             rows.append(torch.stack(errors))
         return torch.stack(rows).cpu() if rows else torch.zeros(0, len(widths))
 
@@ -126,6 +126,8 @@ class ActivationCapture:
         self._codecs = {name: make_codec(name, self.config.group_size, self.config.block) for name in CODECS}
         #: The codec of float tensors that no rule assigns another.
         self.codec = self._codecs[self.config.codec]
+        # Quantizers with smaller groups, for normalisations' rows shorter than a group.
+        self._row_codecs: dict[int, GroupQuantCodec] = {}
         self._mask_codec = MaskCodec()
         self._sign_codec = SignMaskCodec()
         self._index_codec = IndexCodec()
@@ -250,7 +252,7 @@ class ActivationCapture:
     def probing(self, inputs: Any = None, seed: int = 0):
         """Probe mode for sensitivity estimation: tensors that would be compressed are kept
         exact, and the yielded handle chooses which one slot is quantized at unpack."""
-        probe = Probe(self.codec, seed)
+        probe = Probe(seed)
         self._probe = probe
         try:
             with self.capturing(inputs, seed):
@@ -491,7 +493,13 @@ class ActivationCapture:
         rule = self.policy.rules.lookup(module, op)
         codec = self._codecs[rule.codec] if rule is not None and rule.codec else self.codec
         # ReLU's backward reads its output's zeros, and the next layer's record is that same one.
-        return self._codecs["quant"] if decision.keeps_zeros and not codec.keeps_zeros else codec
+        if decision.keeps_zeros and not codec.keeps_zeros:
+            codec = self._codecs["quant"]
+        if decision.row_group is not None and isinstance(codec, GroupQuantCodec):
+            group_size = min(decision.row_group, codec.group_size)
+            if MIN_GROUP_SIZE <= group_size < codec.group_size:  # else rows too short to align to
+                codec = self._row_codecs.setdefault(group_size, GroupQuantCodec(group_size))
+        return codec
 
     def _store_lossless(self, t: torch.Tensor, dense: torch.Tensor, decision: Decision, module: str) -> Compressed:
         """A mask or indices, stored exactly in fewer bits."""
@@ -509,20 +517,23 @@ class ActivationCapture:
         """A floating-point tensor: its slot, then its codec and bits from the rules and policy."""
         layout = decision.layout
         slot = self._next_slot(module)
+        codec = self._codec_for(module, op, decision)
         info = self.slots[slot] = SlotInfo(
             module=module,
             shape=tuple(t.shape),
             numel=dense.numel(),
-            groups=-(-dense.numel() // self.config.group_size),
+            groups=-(-dense.numel() // getattr(codec, "group_size", self.config.group_size)),
             element_bits=dense.element_size() * 8,
             op=op,
             min_bits=decision.min_bits,
         )
         if self._probe is not None:
+            # Probed through the quantizer with the groups the tensor would be stored in.
+            probe_codec = codec if isinstance(codec, GroupQuantCodec) else self._codecs["quant"]
             if not self.policy.pins_bits(info):  # a rule decides its bits: nothing to measure
-                self._probe.add(slot, dense.detach())
+                self._probe.add(slot, dense.detach(), probe_codec)
             self._account(module, t, Outcome.EXACT, 0)
-            return Compressed(ProbeRecord(self._probe, slot, dense.detach()), layout)
+            return Compressed(ProbeRecord(self._probe, slot, dense.detach(), probe_codec), layout)
         bits = self.policy.bits_for(slot, info)
         dense_bytes = dense.numel() * dense.element_size()
         if bits is None:
@@ -530,7 +541,6 @@ class ActivationCapture:
             memory.bits.add(None)
             self.report.slots[slot] = SlotMemory(module, tuple(t.shape), None, dense_bytes, dense_bytes, "stored", op)
             return t.detach()
-        codec = self._codec_for(module, op, decision)
         self._packs += 1
         record = codec.pack(dense, bits, splitmix64(self._seed + self._packs) >> 1)
         if isinstance(record, StoredTensor):  # a shape the codec does not compress (pool on 2-D)

@@ -176,20 +176,22 @@ class RecastWeight:
 class ProbeRecord:
     """Probe mode: the exact dense tensor, quantized at unpack only when its slot is probed.
 
-    ``probe`` is the :class:`~lightning_act.capture.engine.Probe` of the session.
+    ``probe`` is the :class:`~lightning_act.capture.engine.Probe` of the session, ``codec``
+    the quantizer the tensor would be stored with.
     """
 
-    __slots__ = ("probe", "slot", "dense")
+    __slots__ = ("probe", "slot", "dense", "codec")
 
-    def __init__(self, probe, slot: str, dense: torch.Tensor):
+    def __init__(self, probe, slot: str, dense: torch.Tensor, codec):
         self.probe = probe
         self.slot = slot
         self.dense = dense
+        self.codec = codec
 
     def unpack(self) -> torch.Tensor:
         if self.probe.noisy_slot != self.slot:
             return self.dense
-        return self.probe.codec.pack(self.dense, self.probe.bits, self.probe.next_seed()).unpack()
+        return self.codec.pack(self.dense, self.probe.bits, self.probe.next_seed()).unpack()
 
 
 class Shared(NamedTuple):

@@ -19,6 +19,8 @@ from lightning_act.ops.layout import tile_grid
 __all__ = [
     "FLOAT_DTYPES",
     "LFC_DTYPES",
+    "MAX_GROUP_SIZE",
+    "MIN_GROUP_SIZE",
     "SUPPORTED_BITS",
     "check_division_pack",
     "check_division_unpack",
@@ -33,7 +35,8 @@ SUPPORTED_BITS = (1, 2, 4, 8)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Dtypes DIVISION's low-frequency component can be stored in.
 LFC_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_MIN_GROUP, _MAX_GROUP = 8, 1 << 16
+#: The smallest and largest group sizes of the quantizer.
+MIN_GROUP_SIZE, MAX_GROUP_SIZE = 8, 1 << 16
 
 
 def _allowed(values) -> str:
@@ -43,8 +46,8 @@ def _allowed(values) -> str:
 def _quant_args_error(bits: int, group_size: int) -> str | None:
     if bits not in SUPPORTED_BITS:
         return f"bits={bits!r} is not supported; allowed: {_allowed(SUPPORTED_BITS)}"
-    if not _MIN_GROUP <= group_size <= _MAX_GROUP or group_size & (group_size - 1):
-        return f"group_size={group_size!r} must be a power of two in [{_MIN_GROUP}, {_MAX_GROUP}]"
+    if not MIN_GROUP_SIZE <= group_size <= MAX_GROUP_SIZE or group_size & (group_size - 1):
+        return f"group_size={group_size!r} must be a power of two in [{MIN_GROUP_SIZE}, {MAX_GROUP_SIZE}]"
     return None
 
 
