@@ -95,9 +95,15 @@ def test_normalisation_inputs_are_grouped_within_the_rows_they_normalise():
     maps = torch.randn(4, 32, 6, 6)
     assert decided(maps, call("group_norm", maps, 8)).row_group == 16  # 4 channels of 36: 144 = 16 * 9 values
     assert decided(maps, call("instance_norm", maps)).row_group == 4  # one 6x6 plane
-    # BatchNorm's rows (channels) are strided, a strided input's rows are not runs, and other
-    # ops normalise nothing: the groups are the configured ones.
-    assert decided(maps, call("batch_norm", maps)).row_group is None
+    # BatchNorm's rows are its channels: laid out channel-major (4 samples of 36: 144 values)
+    # unless each channel's plane is whole groups already.
+    channels = decided(maps, call("batch_norm", maps))
+    assert channels.row_group == 16 and channels.layout.perm == (1, 0, 2, 3) and not channels.layout.memory_order
+    restored = channels.layout.restore(channels.layout.dense(maps))
+    assert torch.equal(restored, maps)
+    large = torch.randn(2, 4, 16, 16)
+    assert decided(large, call("batch_norm", large)) == decided(large, call("linear", large))
+    # A strided input's rows are not runs, and other ops normalise nothing.
     strided = tokens.transpose(1, 2)
     assert decided(strided, call("layer_norm", strided, (65,))).row_group is None
     assert decided(tokens, call("linear", tokens)).row_group is None
@@ -116,6 +122,22 @@ def test_a_token_with_a_small_std_keeps_its_gradient_when_groups_stay_within_tok
     capture = ActivationCapture(CompressionConfig(bits=4, min_numel=1), norm)
     with capture.capturing():
         y = norm(x * 1.0)  # a product, so that the capture stores the input
+    (noisy,) = torch.autograd.grad(y, x, grad_out)
+    assert ((noisy - exact).norm() / exact.norm()).item() < 0.05
+
+
+def test_batch_norm_on_one_by_one_maps_keeps_each_channel_apart():
+    """Channels of very different scales (depthwise convolutions on 1x1 maps): groups across
+    channels would round a small channel to noise that backward multiplies by its 1 / std."""
+    torch.manual_seed(0)
+    norm = nn.BatchNorm2d(64)
+    x = torch.randn(16, 64, 1, 1) * torch.logspace(-3, 1, 64).view(1, 64, 1, 1)
+    x.requires_grad_(True)
+    grad_out = torch.randn(16, 64, 1, 1)
+    (exact,) = torch.autograd.grad(norm(x), x, grad_out)
+    capture = ActivationCapture(CompressionConfig(bits=4, min_numel=1), norm)
+    with capture.capturing():
+        y = norm(x * 1.0)
     (noisy,) = torch.autograd.grad(y, x, grad_out)
     assert ((noisy - exact).norm() / exact.norm()).item() < 0.05
 

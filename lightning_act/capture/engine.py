@@ -396,7 +396,13 @@ class ActivationCapture:
         ptr = t.untyped_storage().data_ptr()
         call = self._tracker.current_call()
         op = None if call is None else call.name
-        decision = decide(t, call, external=self._live(self._external, ptr), min_numel=self.config.min_numel)
+        decision = decide(
+            t,
+            call,
+            external=self._live(self._external, ptr),
+            min_numel=self.config.min_numel,
+            group_size=self.config.group_size,
+        )
         if call is not None:
             call.saves += 1
         kind = decision.kind
@@ -464,7 +470,7 @@ class ActivationCapture:
     ) -> None:
         """Offer what was stored for ``t`` to the later saves of the same tensor."""
         run_record, guaranteed = None, 0.0
-        if region is not None:
+        if region is not None and decision.layout.memory_order:
             # Read in memory order, the stored dense tensor is the run itself: other views of
             # it may share it, unless they need more bits than it guarantees (attention's
             # query read through a 2-bit copy made for another op). The guarantee is the

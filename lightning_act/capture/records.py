@@ -48,6 +48,9 @@ class Layout(NamedTuple):
     inverse_perm: tuple[int, ...] | None
     #: The number of values stored: the saved tensor's distinct elements.
     numel: int
+    #: Whether the dense tensor is the saved tensor's storage read in memory order, so that
+    #: other views of the same storage may decode from it (not so for :meth:`channel_major`).
+    memory_order: bool = True
 
     @staticmethod
     def of(t: torch.Tensor) -> Layout | None:
@@ -71,6 +74,13 @@ class Layout(NamedTuple):
         identity = all(p == i for i, p in enumerate(perm))
         inverse = None if identity else tuple(sorted(range(len(perm)), key=perm.__getitem__))
         return Layout(expand_to, None if identity else perm, copy, inverse, math.prod(shape))
+
+    @staticmethod
+    def channel_major(t: torch.Tensor) -> Layout:
+        """Dimension 1 (the channels) first, each channel's values one run: ``(C, N, ...)``,
+        a copy whatever ``t``'s memory format, restored to ``t``'s shape as a view."""
+        perm = (1, 0, *range(2, t.dim()))
+        return Layout(None, perm, True, perm, t.numel(), memory_order=False)
 
     def dense(self, t: torch.Tensor) -> torch.Tensor:
         """``t``'s distinct elements as one contiguous tensor (a view where no copy is needed)."""
