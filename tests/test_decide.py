@@ -109,6 +109,16 @@ def test_normalisation_inputs_are_grouped_within_the_rows_they_normalise():
     assert decided(tokens, call("linear", tokens)).row_group is None
 
 
+def test_inputs_of_a_normalisation_over_rows_get_four_bits_and_batch_norm_none():
+    tokens = torch.randn(8, 65, 192)
+    assert floor_bits(tokens, call("layer_norm", tokens, (192,))) == 4
+    maps = torch.randn(4, 32, 6, 6)
+    assert floor_bits(maps, call("group_norm", maps, 8)) == 4
+    assert floor_bits(maps, call("batch_norm", maps)) == 1
+    # What else a normalisation saves is not its input (its weight, its statistics).
+    assert floor_bits(torch.randn(192), call("layer_norm", tokens, (192,))) == 1
+
+
 def test_a_token_with_a_small_std_keeps_its_gradient_when_groups_stay_within_tokens():
     """One token of a LayerNorm input at 1/1000 the scale of the others: a 256-value group
     across tokens rounds it to noise that backward multiplies by its 1 / std."""
