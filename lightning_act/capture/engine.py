@@ -541,7 +541,7 @@ class ActivationCapture:
             self._account(module, t, Outcome.EXACT, 0)
             return Compressed(ProbeRecord(self._probe, slot, dense.detach(), probe_codec), layout)
         bits = self.policy.bits_for(slot, info)
-        dense_bytes = dense.numel() * dense.element_size()
+        dense_bytes = layout.numel * dense.element_size()  # without the padding of rows
         if bits is None:
             memory = self._account(module, t, Outcome.EXACT, 0)
             memory.bits.add(None)

@@ -49,8 +49,16 @@ class Layout(NamedTuple):
     #: The number of values stored: the saved tensor's distinct elements.
     numel: int
     #: Whether the dense tensor is the saved tensor's storage read in memory order, so that
-    #: other views of the same storage may decode from it (not so for :meth:`channel_major`).
+    #: other views of the same storage may decode from it (not so for :meth:`channel_major`
+    #: or padded rows).
     memory_order: bool = True
+    #: Rows of this many values, each padded to ``padded_row`` (repeating its last value,
+    #: which leaves its range unchanged) so that groups of the codec never span two rows;
+    #: None when rows are not padded.
+    row: int | None = None
+    padded_row: int | None = None
+    #: The dense tensor's shape before its rows were padded.
+    unpadded_shape: tuple[int, ...] | None = None
 
     @staticmethod
     def of(t: torch.Tensor) -> Layout | None:
@@ -82,15 +90,26 @@ class Layout(NamedTuple):
         perm = (1, 0, *range(2, t.dim()))
         return Layout(None, perm, True, perm, t.numel(), memory_order=False)
 
+    def with_padded_rows(self, t: torch.Tensor, row: int, padded_row: int) -> Layout:
+        """This layout with its dense tensor's rows of ``row`` values padded to ``padded_row``."""
+        shape = tuple(t.shape[d] for d in self.perm) if self.perm is not None else tuple(t.shape)
+        return self._replace(memory_order=False, row=row, padded_row=padded_row, unpadded_shape=shape)
+
     def dense(self, t: torch.Tensor) -> torch.Tensor:
         """``t``'s distinct elements as one contiguous tensor (a view where no copy is needed)."""
         if self.expand_to is not None:
             t = t[tuple(slice(0, 1) if st == 0 else slice(None) for st in t.stride())]
         if self.perm is not None:
             t = t.permute(self.perm)
-        return t.contiguous() if self.copy else t
+        t = t.contiguous() if self.copy else t
+        if self.padded_row is None:
+            return t
+        rows = t.reshape(-1, self.row)
+        return torch.cat([rows, rows[:, -1:].expand(-1, self.padded_row - self.row)], dim=1)
 
     def restore(self, dense: torch.Tensor) -> torch.Tensor:
+        if self.padded_row is not None:
+            dense = dense.reshape(-1, self.padded_row)[:, : self.row].reshape(self.unpadded_shape)
         t = dense if self.inverse_perm is None else dense.permute(self.inverse_perm)
         return t if self.expand_to is None else t.expand(self.expand_to)
 
