@@ -62,11 +62,6 @@ KNOWN_FAILURES = {
         "1.009x of none (+33 KB, about one layer input's 8-bit record): at the peak, while a layer is "
         "recomputed in backward, its stored record is alive next to the decoded full copy"
     ),
-    ("hf_bert", "unbiased"): (
-        "16-seed mean 2.36x closer: LayerNorm's saved input (layer_norm, every LayerNorm) carries the bias, "
-        "though its groups stay within tokens; its input gradient multiplies x_hat by mean(g * x_hat), "
-        "quadratic in the rounded input"
-    ),
     ("timm_mobilenetv3_small_100", "error_8bit"): (
         "8-bit error 0.037: hardswish inputs (all alone: 0.036 at 8 bits, bias 0.47 at 2 bits), whose backward "
         "(2x + 3) / 6 is near zero around x = -1.5 and switches at x = +-3; batch_norm inputs alone 0.0076 "
