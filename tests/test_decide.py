@@ -91,7 +91,7 @@ def row_groups(t, c):
     """(group, row, padded row) of a decision, after checking its groups stay within rows
     and its layout gives ``t`` back exactly."""
     decision = decided(t, c)
-    layout = decision.layout
+    layout = decision.row_layout or decision.layout  # the quantizer's; other codecs take decision.layout
     dense = layout.dense(t)
     assert torch.equal(layout.restore(dense), t)
     row = layout.row or dense.shape[-1]
@@ -112,7 +112,8 @@ def test_normalisation_inputs_are_grouped_within_the_rows_they_normalise():
     # BatchNorm's rows are its channels, laid out channel-major (4 samples of a 6x6 map),
     # unless each channel's map is whole groups already.
     channels = decided(maps, call("batch_norm", maps))
-    assert channels.layout.perm == (1, 0, 2, 3) and not channels.layout.memory_order
+    assert channels.row_layout.perm == (1, 0, 2, 3) and not channels.row_layout.memory_order
+    assert channels.layout.memory_order  # for DIVISION's and pool's spatial tiles
     assert row_groups(maps, call("batch_norm", maps)) == (64, 144, 192)
     late = torch.randn(8, 16, 7, 7)  # ResNet-50's last stage at batch 8: 392 values a channel
     assert row_groups(late, call("batch_norm", late)) == (256, 392, 512)
@@ -165,6 +166,20 @@ def test_batch_norm_on_one_by_one_maps_keeps_each_channel_apart():
         y = norm(x * 1.0)
     (noisy,) = torch.autograd.grad(y, x, grad_out)
     assert ((noisy - exact).norm() / exact.norm()).item() < 0.05
+
+
+@pytest.mark.parametrize("codec", ["quant", "division", "pool"])
+def test_every_codec_still_stores_batch_norm_inputs_of_small_maps(codec):
+    """The channel-major, padded layout is the quantizer's: DIVISION and pool keep their
+    spatial tiles on the same input."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16))
+    x = torch.randn(2, 8, 14, 14)  # 196 values a channel and sample: channel-major for the quantizer
+    capture = ActivationCapture(CompressionConfig(bits=2, min_numel=1, codec=codec), model)
+    with capture.capturing(inputs=x):
+        y = model(x)
+    assert capture.report.slots["1#0"].codec == ("quant" if codec == "quant" else codec)
+    y.square().sum().backward()  # and it decodes
 
 
 def test_ops_reading_only_a_sign_get_a_sign_mask():

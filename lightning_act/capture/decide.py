@@ -234,9 +234,12 @@ class Decision(NamedTuple):
     layout: Layout | None = None
     #: :attr:`Kind.RECAST_WEIGHT`: the parameter to cast again at unpack.
     parameter: nn.Parameter | None = None
-    #: :attr:`Kind.QUANTIZE` of a normalisation's input: the largest group (a power of two)
-    #: that stays within one of the rows the op normalises separately.
+    #: :attr:`Kind.QUANTIZE` of a normalisation's input: the group size (a power of two)
+    #: that keeps the quantizer's groups within the rows the op normalises separately, and
+    #: the layout that lays those rows out for it (channel-major, padded rows). Other codecs
+    #: (DIVISION's and pool's spatial tiles) take the tensor in ``layout``.
     row_group: int | None = None
+    row_layout: Layout | None = None
 
 
 def source_parameter(t: torch.Tensor) -> tuple[nn.Parameter | None, bool]:
@@ -474,16 +477,23 @@ def decide(
     if kind is Kind.QUANTIZE:
         if call is not None and _is_statistic(t, call):
             return Decision(Kind.STATISTIC, min_bits)
-        row = normalized_row(t, call)
+        row, row_layout = normalized_row(t, call), layout
         if row is None and _is_channel_normalized(t, call, group_size):
             # Each channel one run, so that groups can stay within a channel.
-            layout, row = Layout.channel_major(t), t.numel() // t.shape[1]
+            row, row_layout = t.numel() // t.shape[1], Layout.channel_major(t)
         row_group = None
         if row is not None and row % group_size:
             row_group, padded_row = _row_grouping(row, group_size, max(min_bits, 2))
             if padded_row != row:
-                layout = layout.with_padded_rows(t, row, padded_row)
-        return Decision(kind, min_bits, keeps_zeros=op in _ZERO_EXACT_OPS, layout=layout, row_group=row_group)
+                row_layout = row_layout.with_padded_rows(t, row, padded_row)
+        return Decision(
+            kind,
+            min_bits,
+            keeps_zeros=op in _ZERO_EXACT_OPS,
+            layout=layout,
+            row_group=row_group,
+            row_layout=row_layout if row_group is not None else None,
+        )
     if kind is Kind.INDEX:
         return Decision(kind, min_bits, value_range=value_range, layout=layout)
     if kind is Kind.SIGN_MASK and op in _DROPOUT_OPS:

@@ -470,7 +470,8 @@ class ActivationCapture:
     ) -> None:
         """Offer what was stored for ``t`` to the later saves of the same tensor."""
         run_record, guaranteed = None, 0.0
-        if region is not None and decision.layout.memory_order:
+        in_memory_order = not isinstance(saved, Compressed) or saved.layout.memory_order
+        if region is not None and in_memory_order:
             # Read in memory order, the stored dense tensor is the run itself: other views of
             # it may share it, unless they need more bits than it guarantees (attention's
             # query read through a 2-bit copy made for another op). The guarantee is the
@@ -524,6 +525,10 @@ class ActivationCapture:
         layout = decision.layout
         slot = self._next_slot(module)
         codec = self._codec_for(module, op, decision)
+        if decision.row_layout is not None and isinstance(codec, GroupQuantCodec):
+            # A normalisation's rows laid out for the quantizer's groups.
+            layout = decision.row_layout
+            dense = layout.dense(t)
         info = self.slots[slot] = SlotInfo(
             module=module,
             shape=tuple(t.shape),
