@@ -362,6 +362,11 @@ def _is_divisor(t: torch.Tensor, call: TrackedCall) -> bool:
     return False
 
 
+def _is_first_argument(t: torch.Tensor, call: TrackedCall) -> bool:
+    """Whether ``t`` is the call's input (its first argument), as a normalisation takes it."""
+    return is_same_tensor(call_argument(call, 0, "input"), t)
+
+
 def normalized_row(t: torch.Tensor, call: TrackedCall | None) -> int | None:
     """Values per row that ``call`` normalises on its own, when ``t`` is its contiguous
     input and those rows are runs of memory: LayerNorm's and RMSNorm's last dimensions,
@@ -369,7 +374,7 @@ def normalized_row(t: torch.Tensor, call: TrackedCall | None) -> int | None:
     strided, not runs)."""
     if call is None or call.name not in _ROW_NORMALIZING_OPS or not t.is_contiguous():
         return None
-    if not is_same_tensor(call_argument(call, 0, "input"), t) or t.dim() < 1:
+    if not _is_first_argument(t, call) or t.dim() < 1:
         return None
     if call.name in ("layer_norm", "rms_norm"):
         shape = call_argument(call, 1, "normalized_shape")
@@ -409,7 +414,7 @@ def _is_channel_normalized(t: torch.Tensor, call: TrackedCall | None, group_size
     1x1 or 7x7, or channels-last memory)."""
     if call is None or call.name != "batch_norm" or t.dim() < 2 or t.shape[1] < 2:
         return False
-    if not is_same_tensor(call_argument(call, 0, "input"), t):
+    if not _is_first_argument(t, call):
         return False
     return not (t.is_contiguous() and math.prod(t.shape[2:]) % group_size == 0)
 
@@ -422,7 +427,7 @@ def floor_bits(t: torch.Tensor, call: TrackedCall | None) -> int:
         return 2
     if call.name in _SOFTMAX_OUTPUT_OPS or _is_attention_score_input(t, call) or _is_divisor(t, call):
         return _SOFTMAX_BITS
-    if call.name in _ROW_NORMALIZING_OPS and is_same_tensor(call_argument(call, 0, "input"), t):
+    if call.name in _ROW_NORMALIZING_OPS and _is_first_argument(t, call):
         return _QUADRATIC_BITS
     if t.is_floating_point() and _is_inside_composite(t, call):
         return _QUADRATIC_BITS

@@ -66,7 +66,7 @@ class Probe:
 
     def __init__(self, seed: int):
         self.slots: list[str] = []
-        self._dense: dict[str, tuple[torch.Tensor, GroupQuantCodec]] = {}
+        self._held: dict[str, tuple[torch.Tensor, GroupQuantCodec]] = {}
         self.noisy_slot: str | None = None
         self.bits = 2
         self._seed = seed
@@ -84,7 +84,7 @@ class Probe:
     def add(self, slot: str, dense: torch.Tensor, codec: GroupQuantCodec) -> None:
         """A slot to probe, with the exact tensor its record holds and its quantizer."""
         self.slots.append(slot)
-        self._dense[slot] = (dense, codec)
+        self._held[slot] = (dense, codec)
 
     def rounding_energies(self, widths: Sequence[int]) -> torch.Tensor:
         """``||Q_b(x) - x||**2`` of every slot (rows) at every width (columns), from one
@@ -92,7 +92,7 @@ class Probe:
         backward scales it."""
         rows = []
         for slot in self.slots:
-            dense, codec = self._dense[slot]
+            dense, codec = self._held[slot]
             errors = [(codec.pack(dense, b, self.next_seed()).unpack() - dense).float().square().sum() for b in widths]
             rows.append(torch.stack(errors))
         return torch.stack(rows).cpu() if rows else torch.zeros(0, len(widths))
