@@ -66,8 +66,8 @@ from harness import (  # noqa: E402  (the harness's workloads: same models, same
     planetoid,
 )
 
-from lightning_act import ActivationCapture, CompressionConfig  # noqa: E402
-from lightning_act.ops import ensure_kernels  # noqa: E402
+from lightning_act import ActivationCapture, CompressionConfig, ops  # noqa: E402
+from lightning_act.codecs.quant import GroupQuantCodec, QuantizedTensor  # noqa: E402
 from lightning_act.policy import AdaptiveBits, FixedBits  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -266,6 +266,42 @@ class Limit(Method):
         self.hooks.__exit__(None, None, None)
 
 
+class _Unwritten(QuantizedTensor):
+    """A quantizer's record whose codes and statistics are allocated at their real sizes and
+    never computed; it decodes to uninitialised memory."""
+
+    __slots__ = ()
+
+    def unpack(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.codes.device)
+
+
+def _unwritten_pack(codec: GroupQuantCodec) -> Callable:
+    def pack(dense: torch.Tensor, bits: int, seed: int) -> QuantizedTensor:
+        # The op's shape function gives the sizes of its outputs without running it.
+        codes, stats = ops.quantize_pack(dense.detach().to("meta"), bits, codec.group_size, seed)
+        return _Unwritten(torch.empty_like(codes, device=dense.device), torch.zeros_like(stats, device=dense.device),
+                          bits, codec.group_size, dense.shape, dense.dtype)
+
+    return pack
+
+
+class CodecFloor(Compression):
+    """This library at 2 bits with its quantizers' kernels taken out: every record allocates
+    exactly the bytes the quantizer stores and holds them as long as autograd holds it, and
+    decodes to an uninitialised tensor, as the limit's does; the decisions, layouts and
+    sharing are the library's own. Between the limit and this floor lie the stored bytes
+    themselves (the information no 2-bit codec can drop); between this floor and the 2-bit
+    run, whatever the kernels allocate around them."""
+
+    def start(self, workload: Workload) -> None:
+        # Row quantizers are made on first use, so the ones the warm-up step made are swapped here.
+        for codec in [*self.capture._codecs.values(), *self.capture._row_codecs.values()]:
+            if isinstance(codec, GroupQuantCodec):
+                codec.pack = _unwritten_pack(codec)
+        super().start(workload)
+
+
 def _tensors(obj) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -280,6 +316,7 @@ METHODS: dict[str, Callable[[], Method]] = {
     "none": Method,
     "act_2bit": lambda: Compression(bits=2),
     "act_budget2": lambda: Compression(budget=2.0),
+    "codec_floor": CodecFloor,
     "limit": Limit,
 }
 
@@ -454,7 +491,7 @@ def peak_part(models: list[str], device: torch.device, data_dir: Path, timeline:
         spec = MODELS[name]
         workload = build(name, spec.batch, device, data_dir)
         row: dict = {"title": spec.title, "batch": spec.batch}
-        for method_name in ("none", "act_2bit", "limit"):
+        for method_name in ("none", "act_2bit", "codec_floor", "limit"):
             method = METHODS[method_name]()
             method.prepare(workload)
             train_step(workload, method)  # warm up: lazily built kernels, allocator caches
@@ -466,15 +503,20 @@ def peak_part(models: list[str], device: torch.device, data_dir: Path, timeline:
                 table = timeline_table(memory)
                 row[method_name]["timeline"] = table
                 print(table, flush=True)
-        none, act, limit = row["none"], row["act_2bit"], row["limit"]
+        none, act, floor, limit = row["none"], row["act_2bit"], row["codec_floor"], row["limit"]
         row["kept_ratio"] = none["kept_bytes"] / max(act["kept_bytes"], 1)
         row["peak_ratio"] = none["peak_bytes"] / max(act["peak_bytes"], 1)
+        row["floor_ratio"] = none["peak_bytes"] / max(floor["peak_bytes"], 1)
         row["limit_ratio"] = none["peak_bytes"] / max(limit["peak_bytes"], 1)
+        row["floor_reached"] = floor["peak_bytes"] / max(act["peak_bytes"], 1)
         row["limit_reached"] = limit["peak_bytes"] / max(act["peak_bytes"], 1)
+        row["floor_of_limit"] = limit["peak_bytes"] / max(floor["peak_bytes"], 1)
         results["peak"][name] = row
         save()
-        log(f"{name}: kept {row['kept_ratio']:.2f}x, peak {row['peak_ratio']:.2f}x, limit {row['limit_ratio']:.2f}x, "
-            f"{100 * row['limit_reached']:.1f}% of the limit reached")
+        log(f"{name}: kept {row['kept_ratio']:.2f}x, peak {row['peak_ratio']:.2f}x, 2-bit floor {row['floor_ratio']:.2f}x, "
+            f"limit {row['limit_ratio']:.2f}x; {100 * row['floor_reached']:.1f}% of the floor and "
+            f"{100 * row['limit_reached']:.1f}% of the limit reached (the floor itself: "
+            f"{100 * row['floor_of_limit']:.1f}% of the limit)")
 
 
 # --------------------------------------------------------------------------- part: largest batch
@@ -613,18 +655,22 @@ def write_markdown(results: dict, path: Path) -> None:
              "*kept*: what the forward keeps for backward; *peak*: the step's peak above its start (forward + "
              "backward, parameter gradients included); *limit*: the same step with every saved non-parameter float "
              "tensor stored as nothing and re-created empty at unpack (no saved-tensor codec can go below it); "
-             "*reached*: limit peak / 2-bit peak.", ""]
+             "*2-bit floor*: the same step holding exactly the bytes the 2-bit run stored, as long as autograd "
+             "holds them, and nothing else (no codec storing those bytes can go below it); *reached*: limit or "
+             "floor peak / 2-bit peak.", ""]
     if results["peak"]:
         lines += ["| model | batch | kept none MiB | kept 2-bit MiB | kept ratio | peak none MiB | peak 2-bit MiB "
-                  "| peak ratio | limit MiB | limit ratio | reached |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| peak ratio | 2-bit floor MiB | limit MiB | limit ratio | floor reached | limit reached "
+                  "| floor / limit |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for row in results["peak"].values():
-            none, act, limit = row["none"], row["act_2bit"], row["limit"]
+            none, act, floor, limit = row["none"], row["act_2bit"], row["codec_floor"], row["limit"]
             lines.append(
                 f"| {row['title']} | {row['batch']} | {none['kept_bytes'] / MIB:.1f} | {act['kept_bytes'] / MIB:.1f} "
                 f"| {row['kept_ratio']:.2f}x | {none['peak_bytes'] / MIB:.1f} | {act['peak_bytes'] / MIB:.1f} "
-                f"| {row['peak_ratio']:.2f}x | {limit['peak_bytes'] / MIB:.1f} | {row['limit_ratio']:.2f}x "
-                f"| {100 * row['limit_reached']:.1f}% |")
+                f"| {row['peak_ratio']:.2f}x | {floor['peak_bytes'] / MIB:.1f} | {limit['peak_bytes'] / MIB:.1f} "
+                f"| {row['limit_ratio']:.2f}x | {100 * row['floor_reached']:.1f}% | {100 * row['limit_reached']:.1f}% "
+                f"| {100 * row['floor_of_limit']:.1f}% |")
     if results["largest_batch"]:
         lines += ["", "## Largest batch under a memory cap", "",
                   "| model | cap MiB | none | 2 bits | budget 2 | 2 bits vs none | budget 2 vs none |",
@@ -636,7 +682,7 @@ def write_markdown(results: dict, path: Path) -> None:
             lines.append(f"| {entry['title']} | {entry['cap_mib']:.0f} | {sizes[0]} | {sizes[1]} | {sizes[2]} "
                          f"| {sizes[1] / max(sizes[0], 1):.2f}x | {sizes[2] / max(sizes[0], 1):.2f}x |")
     for row in results["peak"].values():
-        for method in ("none", "act_2bit", "limit"):
+        for method in ("none", "act_2bit", "codec_floor", "limit"):
             if "timeline" in row[method]:
                 lines += ["", f"## Alive at the peak: {row['title']}, {method}", "", "```", row[method]["timeline"],
                           "```"]
@@ -667,7 +713,7 @@ def main() -> None:
         print(TRY_RESULT_PREFIX + json.dumps(run_one_try(model, method, int(batch), cap_bytes, args.data_dir)))
         return
     torch.set_num_threads(args.threads)
-    ensure_kernels(device)
+    ops.ensure_kernels(device)
     models = args.models or (["resnet50", "transformer"] if args.largest_batch else list(MODELS))
     stem = f"peak_memory_{device.type}" + ("_batch" if args.largest_batch else "")
     results = {

@@ -254,6 +254,56 @@ def test_a_shared_storage_run_is_stored_again_for_an_op_that_needs_more_bits():
     assert capture.report.counts.get("deduplicated", 0) == 0
 
 
+class WrittenOutRMSNorm(nn.Module):
+    """RMSNorm as HF's Llama, Mistral and T5 write it: pointwise ops, no ``rms_norm`` call."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True)  # pow saves x first
+        return self.weight * (x * torch.rsqrt(variance + 1e-6))  # mul saves x again
+
+
+def test_the_same_view_is_stored_again_for_a_later_save_that_needs_more_bits():
+    """pow saves RMSNorm's input at the quantizer's bits; mul, which scales it by a factor
+    computed from it, needs four: it gets its own copy, grouped within each 96-value row."""
+    torch.manual_seed(0)
+    norm = WrittenOutRMSNorm(96)
+    x = torch.randn(4, 16, 96, requires_grad=True)
+    capture = ActivationCapture(CompressionConfig(bits=2, min_numel=0), norm, FixedBits(2))
+    with capture.capturing(inputs=x):
+        norm(x * 1.0).sum().backward()
+    stored = sorted((slot.op, slot.bits) for slot in capture.report.slots.values() if slot.shape == (4, 16, 96))
+    # x for pow at 2 bits and for mul at 4; the normalised x, which the weight scales, at 2.
+    assert stored == [("mul", 2), ("mul", 4), ("pow", 2)]
+    # One save shares a copy: the factor, which rsqrt saves (at 8 bits) and then mul.
+    assert capture.report.counts.get("deduplicated", 0) == 1
+
+
+def test_a_written_out_rms_norm_gets_an_unbiased_gradient_at_two_bits():
+    """With one shared 2-bit copy, backward multiplies x's rounding noise by itself (the
+    factor's gradient sum(g x) flows back through x**2): the mean over seeds stays away from
+    the exact gradient. Stored again at four bits for mul, the noise of the two copies is
+    independent and the mean of 16 seeds comes about sqrt(16) = 4 times closer than one."""
+    torch.manual_seed(0)
+    norm = WrittenOutRMSNorm(96)
+    x = (torch.randn(8, 32, 96) * torch.rand(8, 32, 1) * 3).requires_grad_(True)
+    grad_out = torch.randn(8, 32, 96)
+    (exact,) = torch.autograd.grad(norm(x * 1.0), x, grad_out)
+    capture = ActivationCapture(CompressionConfig(bits=2, min_numel=0), norm, FixedBits(2))
+    grads = []
+    for seed in range(16):
+        with capture.capturing(inputs=x, seed=seed):
+            y = norm(x * 1.0)
+        grads.append(torch.autograd.grad(y, x, grad_out)[0])
+    one = (grads[0] - exact).norm() / exact.norm()
+    mean = (torch.stack(grads).mean(0) - exact).norm() / exact.norm()
+    assert one > 1e-3  # compressed at all
+    assert one / mean > 3.0
+
+
 @pytest.mark.parametrize("rule", [None, 8, "exact"])
 def test_a_shared_storage_run_is_stored_again_for_a_module_pinned_to_more_bits(rule):
     class Sin(nn.Module):

@@ -135,6 +135,23 @@ def test_inputs_of_a_normalisation_over_rows_get_four_bits_and_batch_norm_none()
     assert floor_bits(torch.randn(192), call("layer_norm", tokens, (192,))) == 1
 
 
+def test_a_normalisation_written_out_is_found_by_its_factor_s_history():
+    """x * rsqrt(mean(x**2) + eps): mul's factor per row is computed from x itself, so x is
+    a normalisation's input (four bits, groups within its rows). A per-row factor from
+    elsewhere (a padding mask) scales x linearly: no floor."""
+    x = torch.randn(8, 65, 192, requires_grad=True) * 1.0
+    factor = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert floor_bits(x, call("mul", x, factor)) == 4
+    assert floor_bits(x, call("mul", factor, x)) == 4
+    assert row_groups(x.detach(), call("mul", x, factor)) == (64, None, None)
+    mask = torch.rand(8, 65, 1, requires_grad=True) * 1.0
+    assert floor_bits(x, call("mul", x, mask)) == 1
+    assert decided(x, call("mul", x, mask)).row_group is None
+    # The factor itself, and a factor that is not per row, are not the input.
+    assert floor_bits(factor, call("mul", x, factor)) == 1
+    assert floor_bits(x, call("mul", x, factor.squeeze(-1).unsqueeze(0))) == 1
+
+
 def test_a_token_with_a_small_std_keeps_its_gradient_when_groups_stay_within_tokens():
     """One token of a LayerNorm input at 1/1000 the scale of the others: a 256-value group
     across tokens rounds it to noise that backward multiplies by its 1 / std."""

@@ -53,12 +53,12 @@ def test_limit_keeps_nothing_and_bounds_the_compressed_peak(peak_memory):
     batch = (torch.randn(4096, 256, generator=generator), torch.randint(0, 10, (4096,), generator=generator))
     workload = peak_memory.Workload(MLP(), batch, lambda m, x, y: nn.functional.cross_entropy(m(x), y), [], 4096)
     measured = {}
-    for name in ("none", "act_2bit", "limit"):
+    for name in ("none", "act_2bit", "codec_floor", "limit"):
         method = peak_memory.METHODS[name]()
         method.prepare(workload)
         peak_memory.train_step(workload, method)
         measured[name] = peak_memory.measure_step(workload, method, torch.device("cpu"))
-    none, act, limit = measured["none"], measured["act_2bit"], measured["limit"]
+    none, act, floor, limit = measured["none"], measured["act_2bit"], measured["codec_floor"], measured["limit"]
     # Without compression the forward keeps both ReLU outputs (4096 x 512 floats each; the
     # linear outputs before them are freed) and the logits; the limit keeps none of them.
     assert none.kept_bytes >= 2 * 4096 * 512 * 4
@@ -69,6 +69,10 @@ def test_limit_keeps_nothing_and_bounds_the_compressed_peak(peak_memory):
     # costs as much as the activations it saved.)
     assert limit.peak_bytes <= act.peak_bytes
     assert limit.peak_bytes < none.peak_bytes
+    # The codec floor keeps exactly the 2-bit records' bytes, so it lies between the limit and
+    # the 2-bit run; here the kernels allocate nothing beyond their records and outputs.
+    assert floor.kept_bytes == act.kept_bytes
+    assert limit.peak_bytes < floor.peak_bytes == act.peak_bytes
 
 
 @pytest.mark.parametrize("guess", [1, 7, 37, 38, 39, 100, 1000])

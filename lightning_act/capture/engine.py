@@ -451,9 +451,13 @@ class ActivationCapture:
         cached = self._dedup.get(key)
         if cached is None or cached.storage.expired():
             return None
+        needed = self._bits_needed(module, op, decision)
         if cached.view == (t.shape, t.stride()):
-            return cached.saved
-        if cached.guaranteed >= self._bits_needed(module, op, decision):
+            # A copy with fewer bits than this save needs (RMSNorm's input, which pow saved
+            # at the quantizer's bits before mul saved it) is stored again at this save's
+            # floor, and later saves share the new copy.
+            return cached.saved if cached.view_guaranteed >= needed else None
+        if cached.run_guaranteed >= needed:
             return RegionView(cached.record, t)
         return None
 
@@ -469,23 +473,28 @@ class ActivationCapture:
         decision: Decision,
     ) -> None:
         """Offer what was stored for ``t`` to the later saves of the same tensor."""
-        run_record, guaranteed = None, 0.0
+        # A copy guarantees its floor and rule, not the policy's bits, so which saves share a
+        # copy is the same under any policy and in probes. Masks, indices and kept tensors
+        # are exact. A pooled copy serves the saves of its own view, as pooling is the
+        # method chosen for every save alike.
+        if decision.kind is not Kind.QUANTIZE:
+            view_guaranteed = run_guaranteed = math.inf
+        elif self._codec_for(module, op, decision).unbiased:
+            view_guaranteed = run_guaranteed = self._bits_needed(module, op, decision)
+        else:  # a pooled copy has lost detail other ops may need: it guarantees them nothing
+            view_guaranteed, run_guaranteed = math.inf, 0.0
+        run_record = None
         in_memory_order = not isinstance(saved, Compressed) or saved.layout.memory_order
         if region is not None and in_memory_order:
             # Read in memory order, the stored dense tensor is the run itself: other views of
             # it may share it, unless they need more bits than it guarantees (attention's
-            # query read through a 2-bit copy made for another op). The guarantee is the
-            # floor and rule, not the policy's bits, so which saves share a copy is the same
-            # under any policy and in probes. A pooled copy has lost detail other ops may
-            # need: it guarantees nothing.
+            # query read through a 2-bit copy made for another op).
             run_record = saved.record if isinstance(saved, Compressed) else KeptRecord(dense)
-            if decision.kind is not Kind.QUANTIZE:
-                guaranteed = math.inf
-            elif self._codec_for(module, op, decision).unbiased:
-                guaranteed = self._bits_needed(module, op, decision)
+        else:
+            run_guaranteed = 0.0
         # The storage's weak reference, made when the save was accounted.
         storage = self._saved_storages[key[0]]
-        self._dedup[key] = Shared(storage, (t.shape, t.stride()), saved, run_record, guaranteed)
+        self._dedup[key] = Shared(storage, (t.shape, t.stride()), saved, run_record, view_guaranteed, run_guaranteed)
 
     def _bits_needed(self, module: str, op: str | None, decision: Decision) -> float:
         """The fewest bits a copy stored for another save may have to serve this one: the

@@ -232,5 +232,7 @@ class Shared(NamedTuple):
     saved: Any
     #: For a run of storage, its record in memory order, from which other views are restored.
     record: Any
-    #: The fewest bits any reader gets from it; another view needing more is stored again.
-    guaranteed: float
+    #: The fewest bits a save of the same view gets from it; one needing more is stored again.
+    view_guaranteed: float
+    #: The same for another view of the run, read through ``record`` (0 without one).
+    run_guaranteed: float
