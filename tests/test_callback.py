@@ -182,9 +182,12 @@ def test_fit_summary_states_kept_memory_and_peak(tmp_path, caplog):
         assert f"{callback.last_peak_bytes / 2**20:.2f} MiB in the last step" in summary
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_batch_size_finder_runs_with_the_callback(tmp_path):
+@pytest.mark.parametrize("accelerator", [
+    "cpu",
+    pytest.param("gpu", marks=[pytest.mark.cuda,
+                               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+])
+def test_batch_size_finder_runs_with_the_callback(tmp_path, accelerator):
     from lightning.pytorch.tuner import Tuner
 
     class Tunable(SmallCNN):
@@ -200,7 +203,7 @@ def test_batch_size_finder_runs_with_the_callback(tmp_path):
 
     callback = ActCompression(bits=2)
     model = Tunable()
-    trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=4, logger=False, callbacks=[callback],
+    trainer = L.Trainer(accelerator=accelerator, devices=1, max_steps=4, logger=False, callbacks=[callback],
                         enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
     found = Tuner(trainer).scale_batch_size(model, mode="power", init_val=16, steps_per_trial=2, max_trials=4)
     assert found == model.batch_size == 16 * 2**3  # every trial fits: the finder doubled each time
