@@ -209,6 +209,33 @@ def test_ops_reading_only_a_sign_get_a_sign_mask():
     assert decided(noise, call("dropout", x)).divisor == pytest.approx(0.5)
 
 
+def test_ops_reading_only_whether_inside_an_interval_get_an_interval_mask():
+    x = torch.randn(4, 8)
+    assert decided(x, call("hardtanh", x, -2.0, 0.5)).interval == (-2.0, 0.5)
+    assert decided(x, call("hardtanh", x)).interval == (-1.0, 1.0)
+    assert decided(x, call("hardtanh_", x, min_val=0.0, max_val=6.0)).interval == (0.0, 6.0)
+    assert decided(x, call("relu6", x)).interval == (0.0, 6.0)
+    assert decided(x, call("hardsigmoid", x)).interval == (-3.0, 3.0)
+    assert decided(x, call("hardsigmoid", x)).kind is Kind.SIGN_MASK
+    # An empty interval is not one backward reads: quantized like any activation.
+    assert decided(x, call("hardtanh", x, 1.0, 1.0)).kind is Kind.QUANTIZE
+
+
+def test_hardswish_input_is_stored_as_the_point_of_the_affine_piece_with_its_derivative():
+    x = torch.tensor([-7.0, -3.5, -3.0, -1.0, 0.0, 2.5, 3.0, 3.01, 40.0])
+    decision = decided(x, call("hardswish", x))
+    assert decision.kind is Kind.QUANTIZE and decision.substitute is not None
+    substitute = decision.substitute.store(x)
+    assert substitute.tolist() == [-1.5, -1.5, -1.5, -1.0, 0.0, 2.5, 1.5, 1.5, 1.5]
+    grad = torch.randn(9)
+    assert torch.equal(torch.ops.aten.hardswish_backward(grad, substitute), torch.ops.aten.hardswish_backward(grad, x))
+    # The codec's grid ends, rounded outward, land on the switches: decoding moves them back inside.
+    for dtype in (torch.float32, torch.bfloat16):
+        back = decision.substitute.restore(torch.tensor([-3.0, -3.5, 3.0, 0.5], dtype=dtype))
+        assert -3 < back.min().item() < -2.98 and 2.98 < back.max().item() < 3 and back[3].item() == 0.5
+    assert decided(x, call("silu", x)).substitute is None
+
+
 def test_what_no_codec_can_store_smaller_is_kept():
     x = torch.randn(4, 8)
     assert decided(x, min_numel=33).kind is Kind.KEEP  # too small

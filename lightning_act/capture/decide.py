@@ -24,7 +24,12 @@ steps averages out. Each rule below says how backward uses a tensor, read off th
   is. A one-byte integer tensor with no bound is an opaque buffer (an RNN workspace) and is
   kept as it is (see ``_OPAQUE_BYTES``);
 * a float tensor that holds one bit per value for its op (LeakyReLU's input, read only
-  for its sign; dropout's noise on the CPU): a 1-bit mask, exact;
+  for its sign; the input of ReLU6, Hardtanh and Hardsigmoid, read only for whether it
+  lies inside the op's interval; dropout's noise on the CPU): a 1-bit mask, exact;
+* Hardswish's input, whose backward is affine in it on [-3, 3] and constant outside:
+  quantized after each value outside is replaced by the point of the affine piece with
+  the same derivative (1.5 above, -1.5 below), so backward is linear in every value stored
+  and no rounding crosses a switch;
 * too small, laid out with overlapping elements (a broadcast/unfolded view whose dense
   copy would be larger), or of a dtype no codec takes (complex): kept as it is. Size is a
   cost rule, not a sensitivity rule: below ``min_numel`` the group statistics and the
@@ -91,13 +96,24 @@ from lightning_act.ops.validation import MIN_GROUP_SIZE
 from lightning_act.policy.allocation import STATS_BITS_PER_GROUP
 from lightning_act.optrack import TrackedCall, call_argument, is_same_tensor, saved_index_range
 
-__all__ = ["Decision", "Kind", "decide", "floor_bits", "normalized_row", "source_parameter"]
+__all__ = ["Decision", "Kind", "PiecewiseInput", "decide", "floor_bits", "normalized_row", "source_parameter"]
 
 # Ops whose backward reads only ``out > 0`` of the output they save, while the next layer
 # usually saves the same tensor for its values.
 _ZERO_EXACT_OPS = frozenset({"relu", "relu_"})
 # Ops that read the tensor they save only for its sign.
 _SIGN_ONLY_OPS = frozenset({"leaky_relu", "leaky_relu_"})
+# Ops that read the tensor they save only for whether it lies strictly inside an interval
+# (their derivative is one constant inside and zero outside), and where the call gives
+# that interval: a 1-bit mask is exact where 2-bit rounding near an end flips the gradient.
+# On the in-place forms the saved tensor is the output, clamped to the ends: outside too.
+_INTERVAL_OPS = {
+    "hardtanh": lambda call: (call_argument(call, 1, "min_val"), call_argument(call, 2, "max_val")),
+    "relu6": lambda call: (0.0, 6.0),
+    "hardsigmoid": lambda call: (-3.0, 3.0),
+}
+_INTERVAL_OPS.update({name + "_": interval for name, interval in list(_INTERVAL_OPS.items())})
+_HARDTANH_DEFAULT_INTERVAL = (-1.0, 1.0)
 # Backward applies a softmax (or its exp) to these saved tensors: the output of softmax,
 # log_softmax and cross_entropy (its log-probabilities), and attention's query and key
 # (the probabilities are recomputed from them). Through that nonlinearity rounding noise
@@ -218,13 +234,38 @@ class Kind(enum.Enum):
     STATISTIC = "statistic"
     #: A boolean tensor: 1 bit per value, exact.
     MASK = "mask"
-    #: A float tensor its op reads only for its sign (dropout noise: times a known scale):
-    #: 1 bit per value, exact, for this op alone.
+    #: A float tensor its op reads only for its sign, or for whether it lies inside an
+    #: interval (dropout noise: times a known scale): 1 bit per value, exact, for this op alone.
     SIGN_MASK = "sign_mask"
     #: An integer tensor: the fewest bits its values need, exact.
     INDEX = "index"
     #: A float activation: stored by the codec and bits the rules and policy choose.
     QUANTIZE = "quantize"
+
+
+class PiecewiseInput(NamedTuple):
+    """The input of an op whose backward reads it only through a derivative that is affine
+    in it strictly inside ``(low, high)`` and constant outside (Hardswish), stored as a
+    tensor inside that piece with the same derivative everywhere: the values at or below
+    ``low`` become ``below`` and those at or above ``high`` become ``above``, points of the
+    piece with the derivative of the outside values. Backward is then linear in every
+    stored value, so stochastic rounding stays unbiased, and no rounding of a value near a
+    switch crosses it: decoded values are clamped back inside the piece, where the codec's
+    grid, whose ends are rounded outward to bfloat16, would reach it or past it (its low
+    end often lands on ``low`` itself, which the CPU kernel already reads as outside)."""
+
+    low: float
+    high: float
+    below: float
+    above: float
+
+    def store(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x >= self.high, self.above, x).masked_fill_(x <= self.low, self.below)
+
+    def restore(self, decoded: torch.Tensor) -> torch.Tensor:
+        ends = torch.tensor([self.low, self.high], dtype=decoded.dtype)
+        inner_low, inner_high = torch.nextafter(ends, ends.flip(0)).tolist()
+        return decoded.clamp_(inner_low, inner_high)
 
 
 class Decision(NamedTuple):
@@ -239,6 +280,11 @@ class Decision(NamedTuple):
     value_range: tuple[int, int] | None = None
     #: :attr:`Kind.SIGN_MASK` of dropout noise: the keep probability the mask is divided by.
     divisor: float | None = None
+    #: :attr:`Kind.SIGN_MASK` read for being inside ``(low, high)`` rather than above 0.
+    interval: tuple[float, float] | None = None
+    #: :attr:`Kind.QUANTIZE`: what is stored in place of the tensor, which the op's backward
+    #: reads exactly as it would the tensor; for this op alone.
+    substitute: PiecewiseInput | None = None
     #: How to lay the tensor out for its codec, for the kinds stored by one.
     layout: Layout | None = None
     #: :attr:`Kind.RECAST_WEIGHT`: the parameter to cast again at unpack.
@@ -487,6 +533,36 @@ def floor_bits(t: torch.Tensor, call: TrackedCall | None) -> int:
     return 1
 
 
+def _is_pointwise_input(t: torch.Tensor, call: TrackedCall) -> bool:
+    """Whether ``t`` is what a pointwise activation saves of its input: the input itself,
+    or, for the in-place form, the copy of it autograd keeps or the output written over it
+    (both read by backward exactly as the input: the activation saves nothing else)."""
+    source = call_argument(call, 0, "input", "self")
+    return isinstance(source, torch.Tensor) and source.shape == t.shape and source.dtype == t.dtype
+
+
+def _interval(t: torch.Tensor, call: TrackedCall | None) -> tuple[float, float] | None:
+    """The open interval whose inside alone the call's backward reads of ``t``, or None."""
+    if call is None or call.name not in _INTERVAL_OPS or not _is_pointwise_input(t, call):
+        return None
+    low, high = _INTERVAL_OPS[call.name](call)
+    default_low, default_high = _HARDTANH_DEFAULT_INTERVAL
+    low, high = default_low if low is None else low, default_high if high is None else high
+    if not (isinstance(low, (int, float)) and isinstance(high, (int, float)) and low < high):
+        return None  # tensor bounds, or an empty interval: quantized like any activation
+    return float(low), float(high)
+
+
+# Ops whose backward reads the saved input only through its derivative, affine in it on
+# [low, high] and constant outside, given for each op as (low, high, below, above): the
+# points of the affine piece with the derivative of the values below and above it.
+_PIECEWISE_AFFINE_OPS = {
+    # Hardswish's derivative is x / 3 + 1/2 on [-3, 3], 0 below and 1 above.
+    "hardswish": (-3.0, 3.0, -1.5, 1.5),
+    "hardswish_": (-3.0, 3.0, -1.5, 1.5),
+}
+
+
 def _dropout_keep_probability(call: TrackedCall) -> float:
     p = call.kwargs.get("p", call.args[1] if len(call.args) > 1 else 0.5)
     return 1.0 - float(p)
@@ -516,7 +592,8 @@ def decide(
     op = None if call is None else call.name
     min_bits = floor_bits(t, call)
     if floating:
-        kind = Kind.SIGN_MASK if op in _SIGN_ONLY_OPS or op in _DROPOUT_OPS else Kind.QUANTIZE
+        reads_one_bit = op in _SIGN_ONLY_OPS or op in _DROPOUT_OPS or _interval(t, call) is not None
+        kind = Kind.SIGN_MASK if reads_one_bit else Kind.QUANTIZE
     elif t.dtype == torch.bool:
         kind = Kind.MASK
     elif t.dtype in INDEX_DTYPES:
@@ -551,9 +628,13 @@ def decide(
             layout=layout,
             row_group=row_group,
             row_layout=row_layout if row_group is not None else None,
+            substitute=(PiecewiseInput(*_PIECEWISE_AFFINE_OPS[op])
+                        if op in _PIECEWISE_AFFINE_OPS and _is_pointwise_input(t, call) else None),
         )
     if kind is Kind.INDEX:
         return Decision(kind, min_bits, value_range=value_range, layout=layout)
     if kind is Kind.SIGN_MASK and op in _DROPOUT_OPS:
         return Decision(kind, min_bits, divisor=_dropout_keep_probability(call), layout=layout)
+    if kind is Kind.SIGN_MASK:
+        return Decision(kind, min_bits, interval=_interval(t, call), layout=layout)
     return Decision(kind, min_bits, layout=layout)

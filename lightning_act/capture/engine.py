@@ -415,7 +415,7 @@ class ActivationCapture:
         if kind is Kind.CAST_PARAMETER:
             self._account(module, t, Outcome.KEPT, 0)
             return t.detach()
-        key, region = self._sharing_key(t, ptr, kind)
+        key, region = self._sharing_key(t, ptr, decision)
         shared = self._shared_copy(key, t, module, op, decision)
         if shared is not None:
             self._account(module, t, Outcome.DEDUPLICATED, 0)
@@ -434,17 +434,19 @@ class ActivationCapture:
 
     # ----------------------------------------------------------------- one copy for many saves
     @staticmethod
-    def _sharing_key(t: torch.Tensor, ptr: int, kind: Kind) -> tuple[tuple, tuple[int, int] | None]:
+    def _sharing_key(t: torch.Tensor, ptr: int, decision: Decision) -> tuple[tuple, tuple[int, int] | None]:
         """The key under which saves of the same tensor find one stored copy, and the run of
         storage ``t`` fills (None if it fills none).
 
         A view that fills a run of storage is keyed by that run, so that its other views (a
-        transpose, a reshape) find its copy; any other view by its own layout. A sign mask
-        serves only its op: the same tensor saved by another op is stored again.
+        transpose, a reshape) find its copy; any other view by its own layout. A sign mask,
+        or a substitute stored in the tensor's place, serves only its op: the same tensor
+        saved by another op is stored again.
         """
         region = storage_region(t)
         where = region if region is not None else (t.storage_offset(), t.shape, t.stride())
-        return (ptr, where, t.dtype, t._version, kind is Kind.SIGN_MASK), region
+        for_its_op_alone = decision.kind is Kind.SIGN_MASK or decision.substitute is not None
+        return (ptr, where, t.dtype, t._version, for_its_op_alone), region
 
     def _shared_copy(self, key: tuple, t: torch.Tensor, module: str, op: str | None, decision: Decision) -> Any:
         """What autograd may hold for ``t`` from an earlier save's copy, or None."""
@@ -523,7 +525,7 @@ class ActivationCapture:
         if kind is Kind.INDEX:
             record = self._index_codec.pack(dense, 0, 0, value_range=decision.value_range)
         elif kind is Kind.SIGN_MASK:
-            record = self._sign_codec.pack(dense, 0, 0, divisor=decision.divisor)
+            record = self._sign_codec.pack(dense, 0, 0, divisor=decision.divisor, interval=decision.interval)
         else:
             record = self._mask_codec.pack(dense, 0, 0)
         self._account(module, t, Outcome.LOSSLESS, record.nbytes).codecs.add(record.codec)
@@ -538,6 +540,8 @@ class ActivationCapture:
             # A normalisation's rows laid out for the quantizer's groups.
             layout = decision.row_layout
             dense = layout.dense(t)
+        if decision.substitute is not None:
+            dense = decision.substitute.store(dense)
         info = self.slots[slot] = SlotInfo(
             module=module,
             shape=tuple(t.shape),
@@ -553,7 +557,7 @@ class ActivationCapture:
             if not self.policy.pins_bits(info):  # a rule decides its bits: nothing to measure
                 self._probe.add(slot, dense.detach(), probe_codec)
             self._account(module, t, Outcome.EXACT, 0)
-            return Compressed(ProbeRecord(self._probe, slot, dense.detach(), probe_codec), layout)
+            return Compressed(ProbeRecord(self._probe, slot, dense.detach(), probe_codec), layout, decision.substitute)
         bits = self.policy.bits_for(slot, info)
         dense_bytes = layout.numel * dense.element_size()  # without the padding of rows
         if bits is None:
@@ -573,7 +577,7 @@ class ActivationCapture:
         memory.bits.add(bits)
         memory.codecs.add(record.codec)
         self.report.slots[slot] = SlotMemory(module, tuple(t.shape), bits, dense_bytes, record.nbytes, record.codec, op)
-        return Compressed(record, layout)
+        return Compressed(record, layout, decision.substitute)
 
 
 

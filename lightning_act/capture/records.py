@@ -141,16 +141,22 @@ def unpack(saved: Any) -> torch.Tensor:
 
 
 class Compressed:
-    """What autograd holds instead of a compressed tensor."""
+    """What autograd holds instead of a compressed tensor: its record, the layout it was
+    stored in, and what puts a stored substitute's decoded values back on its piece
+    (:class:`~lightning_act.capture.decide.PiecewiseInput`)."""
 
-    __slots__ = ("record", "layout")
+    __slots__ = ("record", "layout", "substitute")
 
-    def __init__(self, record, layout: Layout):
+    def __init__(self, record, layout: Layout, substitute=None):
         self.record = record
         self.layout = layout
+        self.substitute = substitute
 
     def unpack(self) -> torch.Tensor:
-        return self.layout.restore(self.record.unpack())
+        dense = self.record.unpack()
+        if self.substitute is not None:
+            dense = self.substitute.restore(dense)
+        return self.layout.restore(dense)
 
 
 class RegionView:

@@ -112,15 +112,18 @@ class MaskCodec:
 
 class SignMaskTensor:
     """``x > 0`` of a float tensor at 1 bit per value, decoded as 0/1 in the original dtype
-    (divided by ``divisor`` when one is given)."""
+    (divided by ``divisor`` when one is given); or ``low < x < high``, decoded as the
+    interval's midpoint inside and ``high + (high - low)`` outside."""
 
     codec = "sign_mask"
-    __slots__ = ("mask", "dtype", "divisor")
+    __slots__ = ("mask", "dtype", "divisor", "interval")
 
-    def __init__(self, mask: MaskTensor, dtype: torch.dtype, divisor: float | None = None):
+    def __init__(self, mask: MaskTensor, dtype: torch.dtype, divisor: float | None = None,
+                 interval: tuple[float, float] | None = None):
         self.mask = mask
         self.dtype = dtype
         self.divisor = divisor
+        self.interval = interval
 
     @property
     def nbytes(self) -> int:
@@ -133,17 +136,24 @@ class SignMaskTensor:
         return self.mask.stats
 
     def unpack(self) -> torch.Tensor:
-        """A new tensor of the original dtype: 1 (or ``1 / divisor``) where ``x > 0``, else 0."""
+        """A new tensor of the original dtype: 1 (or ``1 / divisor``) where ``x > 0``, else 0;
+        for an interval, a value inside it where ``x`` was inside, else one above it."""
         values = self.mask.unpack().to(self.dtype)
+        if self.interval is not None:
+            low, high = self.interval
+            outside = high + (high - low)
+            return values.mul_((low + high) / 2 - outside).add_(outside)
         return values if self.divisor is None else values.div_(self.divisor)
 
 
 class SignMaskCodec:
-    """Stores only ``x > 0`` of a float tensor, at 1 bit per value.
+    """Stores only ``x > 0`` of a float tensor, or whether ``x`` lies strictly inside an
+    interval, at 1 bit per value.
 
     Exact for a consumer that reads nothing but the sign: LeakyReLU saves its input and its
     backward is ``grad * (x > 0 ? 1 : slope)``, and the decoded 0/1 tensor gives that same
-    mask. Exact also for dropout's noise on the CPU (``bernoulli(1 - p) / (1 - p)``, saved by
+    mask. With an interval, exact for ReLU6, Hardtanh and Hardsigmoid, whose backward is
+    ``grad`` times one constant where ``low < x < high`` and 0 elsewhere. Exact also for dropout's noise on the CPU (``bernoulli(1 - p) / (1 - p)``, saved by
     the multiplication that applies it) when ``divisor = 1 - p``: decoding repeats the same
     division in the same dtype. Any other consumer gets a wrong tensor, so select this codec
     only for a tensor saved by such an op (see :mod:`lightning_act.optrack`) and never hand
@@ -153,15 +163,23 @@ class SignMaskCodec:
 
     name = "sign_mask"
 
-    def pack(self, dense: torch.Tensor, bits: int, seed: int, divisor: float | None = None) -> SignMaskTensor:
-        """Keep the sign mask of a contiguous float tensor.
+    def pack(self, dense: torch.Tensor, bits: int, seed: int, divisor: float | None = None,
+             interval: tuple[float, float] | None = None) -> SignMaskTensor:
+        """Keep the sign mask of a contiguous float tensor, or whether each value lies strictly
+        inside ``interval = (low, high)``.
 
         Raises:
-            ValueError: ``dense`` is not floating point.
+            ValueError: ``dense`` is not floating point, or the interval is empty.
         """
         if not dense.is_floating_point():
             raise ValueError(f"SignMaskCodec: dtype {dense.dtype} is not supported; allowed: floating-point dtypes")
-        return SignMaskTensor(MaskCodec().pack(dense > 0, bits, seed), dense.dtype, divisor)
+        if interval is None:
+            inside = dense > 0
+        elif interval[0] < interval[1]:
+            inside = (dense > interval[0]) & (dense < interval[1])
+        else:
+            raise ValueError(f"SignMaskCodec: interval={interval!r} is empty; allowed: (low, high) with low < high")
+        return SignMaskTensor(MaskCodec().pack(inside, bits, seed), dense.dtype, divisor, interval)
 
 
 class IndexTensor:
