@@ -60,14 +60,17 @@ steps averages out. Each rule below says how backward uses a tensor, read off th
     reads it is not known, and the gates' own backward is quadratic in them), and the
     input of LayerNorm, RMSNorm, GroupNorm and InstanceNorm (``x_hat mean(g x_hat)``);
   - 1 bit otherwise: backward is linear in the tensor, or smooth in it (SiLU, GELU,
-    sigmoid, tanh, hardswish: a bias of the order of the rounding variance times the
-    curvature, measured well under the noise at 2 bits on the models tested).
+    sigmoid, tanh: a bias of the order of the rounding variance times the curvature,
+    measured well under the noise at 2 bits on the models tested).
 
-Weighed and not chosen: storing a pointwise nonlinearity's derivative instead of its input
-(backward is then linear in what is stored) needs control over what the op saves; a
-saved-tensor hook sees only the tensor, and unpack must return an input whose derivative
-is the stored one, which the derivative does not determine. It needs the op replaced by an
-autograd function of its own, not a storage rule.
+Weighed and not chosen in general: storing a pointwise nonlinearity's derivative instead of
+its input (backward is then linear in what is stored). A saved-tensor hook sees only the
+tensor, and unpack must return an input whose derivative is the stored one. Where the
+derivative is affine on one piece and constant outside it (Hardswish), a point of that
+piece carries every derivative, so the input is stored that way (:class:`PiecewiseInput`);
+SiLU's and GELU's derivatives have no piece on which backward is linear, so recovering an
+input from a rounded derivative would put the rounding back through a nonlinearity. That
+needs the op replaced by an autograd function of its own, not a storage rule.
 
 A new rule about how backward reads a saved tensor goes here: a floor for a tensor that
 backward passes through a nonlinearity goes in :func:`floor_bits`; a tensor that must be
