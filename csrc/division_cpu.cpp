@@ -32,7 +32,8 @@ struct TileMeansTask {
   lfc_t* lfc;
   std::vector<float> totals;
 
-  LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t first, int64_t last) {
+  template <typename Isa>
+  LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t first, int64_t last, Isa) {
     const int64_t full_tiles = geometry.width / geometry.block_w;
     const int64_t edge_columns = geometry.width - full_tiles * geometry.block_w;
     totals.resize(geometry.tiles_w);

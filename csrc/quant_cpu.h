@@ -12,7 +12,10 @@
 //
 // The build targets baseline x86-64, which every user machine runs. The loops are compiled a
 // second time for AVX2 and the CPU picks one at run time: AVX2 doubles the vector width and
-// has the 32-bit multiply (vpmulld) the noise hash needs, which SSE2 lacks.
+// has the 32-bit multiply (vpmulld) the noise hash needs, which SSE2 lacks. The AVX2 build
+// also has hand-written forms of the range pass, of unpacking, and of the code pass over a
+// group's whole blocks of 32 values, which packs their codes in registers instead of the byte
+// buffer.
 //
 // The ops differ only in where a group's float32 values come from and where the decoded
 // ones go, which the loops take as functors. Each parallel task works on its own copy, so a
@@ -39,6 +42,7 @@
 #include "quant_math.h"
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
 #define LIGHTNING_ACT_AVX2_DISPATCH 1
 #define LIGHTNING_ACT_TARGET_AVX2 __attribute__((target("avx2")))
 #endif
@@ -70,21 +74,26 @@ inline bool cpu_has_avx2() {
 #endif
 }
 
+// The instruction sets a task is compiled for, passed to it as a tag: a task may take a
+// hand-written path for one of them.
+struct Portable {};
+struct Avx2 {};
+
 template <typename Task>
 void run_portable(Task& task, int64_t first, int64_t last) {
-  task(first, last);
+  task(first, last, Portable{});
 }
 
 #if defined(LIGHTNING_ACT_AVX2_DISPATCH)
 template <typename Task>
 LIGHTNING_ACT_TARGET_AVX2 void run_avx2(Task& task, int64_t first, int64_t last) {
-  task(first, last);
+  task(first, last, Avx2{});
 }
 #endif
 
-// Runs `task(first, last)` over [0, items) in parallel, each parallel task on its own copy
-// of `task`, compiled for AVX2 where the CPU has it. Task::operator() must be
-// LIGHTNING_ACT_ALWAYS_INLINE.
+// Runs `task(first, last, isa)` over [0, items) in parallel, each parallel task on its own
+// copy of `task`, compiled for AVX2 (isa an Avx2) where the CPU has it, else for the
+// baseline (isa a Portable). Task::operator() must be LIGHTNING_ACT_ALWAYS_INLINE.
 template <typename Task>
 void parallel_tasks(int64_t items, int64_t values_per_item, const Task& task) {
   const bool avx2 = cpu_has_avx2();
@@ -145,7 +154,7 @@ LIGHTNING_ACT_ALWAYS_INLINE void pack_codes(const uint8_t* codes, int64_t count,
 // The inverse of pack_codes for `bytes` packed bytes: shifting a byte left by
 // j * (8 - kBits) moves code j to bit 8 * j, and the mask keeps the low kBits of every byte.
 template <int kBits>
-LIGHTNING_ACT_ALWAYS_INLINE void unpack_codes(const uint8_t* packed, int64_t bytes, uint8_t* codes) {
+LIGHTNING_ACT_ALWAYS_INLINE void unpack_codes(Portable, const uint8_t* packed, int64_t bytes, uint8_t* codes) {
   if constexpr (kBits == 8) {
     std::memcpy(codes, packed, bytes);
   } else {
@@ -165,7 +174,7 @@ LIGHTNING_ACT_ALWAYS_INLINE void unpack_codes(const uint8_t* packed, int64_t byt
   }
 }
 
-LIGHTNING_ACT_ALWAYS_INLINE GroupRange range_of(const float* values, int64_t count) {
+LIGHTNING_ACT_ALWAYS_INLINE GroupRange range_of(Portable, const float* values, int64_t count) {
   GroupRange range;
   for (int64_t i = 0; i < count; ++i) {
     range.add_ordered(float_bits(values[i]));
@@ -194,6 +203,199 @@ LIGHTNING_ACT_ALWAYS_INLINE void encode_codes(const float* values, int64_t count
   }
 }
 
+// The values encode_groups encodes and packs in a loop of the instruction set's own, as a
+// number of leading values of a finite group with a positive step; the portable loops above
+// do the rest. The portable build has no such loop.
+template <int kBits, bool kZeroPreserving>
+LIGHTNING_ACT_ALWAYS_INLINE int64_t encode_blocks(Portable, const float*, int64_t, const GroupParams&, uint32_t,
+                                                  uint32_t, uint8_t*) {
+  return 0;
+}
+
+#if defined(LIGHTNING_ACT_AVX2_DISPATCH)
+// Hand-written AVX2 forms of the loops above. Each computes exactly what its portable form
+// computes, in fewer instructions than the compiler makes of that, and leaves the values short
+// of a whole vector (or block) to it.
+
+// An AVX2 register's eight 32-bit lanes, as T, folded into one with `fold`.
+template <typename T, typename Fold>
+LIGHTNING_ACT_TARGET_AVX2 LIGHTNING_ACT_ALWAYS_INLINE T fold_lanes(__m256i lanes, Fold fold) {
+  alignas(32) T values[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(values), lanes);
+  T folded = values[0];
+  for (int i = 1; i < 8; ++i) {
+    folded = fold(folded, values[i]);
+  }
+  return folded;
+}
+
+// range_of. The lanes keep extremes of the raw bits, which take three operations per vector
+// fewer than those of the order keys: the signed maximum and minimum and the unsigned maximum
+// of the bits give both extreme keys (below), and the unsigned minimum of bits - 1 the
+// smallest positive bits, as positive floats are the bits in (0, 2**31) and bits - 1 moves
+// +0 (by wrapping) and the negatives (by their sign bit) above every positive's.
+LIGHTNING_ACT_TARGET_AVX2 inline GroupRange range_of(Avx2, const float* values, int64_t count) {
+  GroupRange range;
+  const int64_t vectored = count / 8 * 8;
+  if (vectored > 0) {
+    const __m256i one = _mm256_set1_epi32(1);
+    __m256i signed_max = _mm256_set1_epi32(INT32_MIN);
+    __m256i signed_min = _mm256_set1_epi32(INT32_MAX);
+    __m256i unsigned_max = _mm256_setzero_si256();
+    __m256i below_positive_min = _mm256_set1_epi32(-1);
+    for (int64_t i = 0; i < vectored; i += 8) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i));
+      signed_max = _mm256_max_epi32(signed_max, bits);
+      signed_min = _mm256_min_epi32(signed_min, bits);
+      unsigned_max = _mm256_max_epu32(unsigned_max, bits);
+      below_positive_min = _mm256_min_epu32(below_positive_min, _mm256_sub_epi32(bits, one));
+    }
+    const auto max = [](auto a, auto b) { return a > b ? a : b; };
+    const auto min = [](auto a, auto b) { return a < b ? a : b; };
+    const int32_t bits_max = fold_lanes<int32_t>(signed_max, max);
+    const int32_t bits_min = fold_lanes<int32_t>(signed_min, min);
+    const uint32_t bits_unsigned_max = fold_lanes<uint32_t>(unsigned_max, max);
+    const uint32_t below_positive = fold_lanes<uint32_t>(below_positive_min, min);
+    // A non-negative float's key is its bits, above every negative's; a negative's key falls
+    // as its bits rise, as signed and as unsigned integers.
+    const int32_t max_key = bits_max >= 0 ? bits_max : order_key(static_cast<uint32_t>(bits_min));
+    const int32_t min_key = static_cast<int32_t>(bits_unsigned_max) < 0 ? order_key(bits_unsigned_max) : bits_min;
+    const uint32_t min_positive_bits = below_positive < 0x7FFFFFFFu ? below_positive + 1u : kExponentBits;
+    range.merge(min_key, max_key, min_positive_bits, 0);
+  }
+  for (int64_t i = vectored; i < count; ++i) {
+    range.add_ordered(float_bits(values[i]));
+  }
+  range.nonfinite = range.keys_reach_nonfinite();
+  return range;
+}
+
+// Packs 32 codes, one a byte in `codes`, to 32 * kBits / 8 bytes at `packed`, as pack_codes.
+template <int kBits>
+LIGHTNING_ACT_TARGET_AVX2 LIGHTNING_ACT_ALWAYS_INLINE void pack_block(__m256i codes, uint8_t* packed) {
+  if constexpr (kBits == 8) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(packed), codes);
+  } else if constexpr (kBits == 4) {
+    // Byte pairs to bytes: code 0 + 16 * code 1 (a multiply-add of bytes into 16-bit lanes).
+    const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi16(0x1001));
+    const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(packed), _mm256_castsi256_si128(bytes));
+  } else if constexpr (kBits == 2) {
+    // Four bytes to one: pairs as above, then pair 0 + 16 * pair 1 into 32-bit lanes, whose
+    // low bytes are gathered.
+    const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi16(0x0401));
+    const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi32(0x00100001));
+    const __m256i low_bytes = _mm256_shuffle_epi8(
+        quads, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1,
+                                -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    const __m128i bytes = _mm_unpacklo_epi32(_mm256_castsi256_si128(low_bytes), _mm256_extracti128_si256(low_bytes, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(packed), bytes);
+  } else {
+    // Each code's bit moved to its byte's sign bit, which movemask gathers.
+    const uint32_t bits = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(codes, 7)));
+    std::memcpy(packed, &bits, sizeof(bits));
+  }
+}
+
+// encode_codes<kZeroPreserving, true> and pack_codes over the group's whole blocks of 32
+// values: four vectors of codes, narrowed to bytes and packed in registers.
+template <int kBits, bool kZeroPreserving>
+LIGHTNING_ACT_TARGET_AVX2 int64_t encode_blocks(Avx2, const float* values, int64_t count, const GroupParams& params,
+                                                uint32_t key, uint32_t first_index, uint8_t* packed) {
+  const __m256 low = _mm256_set1_ps(params.low);
+  const __m256 step = _mm256_set1_ps(params.step);
+  const __m256 max_level = _mm256_set1_ps(params.max_level);
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 noise_unit = _mm256_set1_ps(5.9604644775390625e-8f);  // noise_of_hash's 2**-24
+  const __m256i multiplier2 = _mm256_set1_epi32(static_cast<int32_t>(kMixMultiplier2));
+  // run_noise hashes x = index ^ noise_key, which mix32_tail first multiplies by
+  // kMixMultiplier1. A block's indices are b + j, b a multiple of 32 and j = 0..31, so x is
+  // (b ^ (noise_key & ~31)) + (j ^ (noise_key & 31)) and its product one scalar product per
+  // block plus a product per j that is the same in every block: a broadcast and an add per
+  // vector in place of a vector multiply, which some CPUs (AMD Zen 1) run at one per four
+  // cycles.
+  const uint32_t noise_key = run_key(key, first_index);
+  const uint32_t block_key = noise_key & ~31u;
+  __m256i lane_products[4];
+  for (int v = 0; v < 4; ++v) {
+    const __m256i j = _mm256_setr_epi32(8 * v, 8 * v + 1, 8 * v + 2, 8 * v + 3, 8 * v + 4, 8 * v + 5, 8 * v + 6, 8 * v + 7);
+    lane_products[v] =
+        _mm256_mullo_epi32(_mm256_xor_si256(j, _mm256_set1_epi32(static_cast<int32_t>(noise_key & 31u))),
+                           _mm256_set1_epi32(static_cast<int32_t>(kMixMultiplier1)));
+  }
+  // The 256-bit packs narrow each 128-bit half on its own, leaving the codes' 4-byte runs in
+  // the order 0, 2, 4, 6, 1, 3, 5, 7; this permutation restores theirs.
+  const __m256i run_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const int64_t blocks_end = count / 32 * 32;
+  for (int64_t i = 0; i < blocks_end; i += 32) {
+    const uint32_t block_index = first_index + static_cast<uint32_t>(i);
+    const __m256i block_product = _mm256_set1_epi32(static_cast<int32_t>((block_index ^ block_key) * kMixMultiplier1));
+    __m256i code[4];
+    for (int v = 0; v < 4; ++v) {
+      __m256i hash = _mm256_add_epi32(block_product, lane_products[v]);
+      hash = _mm256_xor_si256(hash, _mm256_srli_epi32(hash, 15));
+      hash = _mm256_mullo_epi32(hash, multiplier2);
+      hash = _mm256_xor_si256(hash, _mm256_srli_epi32(hash, 16));
+      const __m256 noise = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(hash, 8)), noise_unit);
+
+      const __m256 value = _mm256_loadu_ps(values + i + 8 * v);
+      __m256 level = _mm256_add_ps(_mm256_div_ps(_mm256_sub_ps(value, low), step), noise);
+      // code_of_level's clamps: max and min return their second operand when the first is
+      // NaN or the two are equal, as its selects do.
+      level = _mm256_min_ps(_mm256_max_ps(level, zero), max_level);
+      code[v] = _mm256_cvttps_epi32(level);
+      if constexpr (kZeroPreserving) {
+        const __m256i positive = _mm256_castps_si256(_mm256_cmp_ps(value, zero, _CMP_GT_OQ));
+        code[v] = _mm256_and_si256(_mm256_sub_epi32(code[v], positive), positive);  // code + 1, or 0
+      }
+    }
+    const __m256i bytes =
+        _mm256_packus_epi16(_mm256_packus_epi32(code[0], code[1]), _mm256_packus_epi32(code[2], code[3]));
+    pack_block<kBits>(_mm256_permutevar8x32_epi32(bytes, run_order), packed + i * kBits / 8);
+  }
+  return blocks_end;
+}
+
+// unpack_codes, 32 codes at a time: each packed byte widened to the lane its codes spread
+// over, then spread as pack_codes's inverse spreads it (the compiler leaves the portable loop
+// scalar in some builds).
+template <int kBits>
+LIGHTNING_ACT_TARGET_AVX2 void unpack_codes(Avx2, const uint8_t* packed, int64_t bytes, uint8_t* codes) {
+  if constexpr (kBits == 8) {
+    std::memcpy(codes, packed, bytes);
+  } else {
+    constexpr int kPerByte = 8 / kBits;
+    constexpr int64_t kBlockBytes = 32 / kPerByte;  // the packed bytes of 32 codes
+    const int64_t blocks_end = bytes / kBlockBytes * kBlockBytes;
+    for (int64_t byte = 0; byte < blocks_end; byte += kBlockBytes) {
+      __m256i spread;
+      if constexpr (kBits == 4) {
+        const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + byte)));
+        spread = _mm256_and_si256(_mm256_or_si256(words, _mm256_slli_epi16(words, 4)), _mm256_set1_epi16(0x0F0F));
+      } else if constexpr (kBits == 2) {
+        const __m256i words = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + byte)));
+        spread = _mm256_or_si256(_mm256_or_si256(words, _mm256_slli_epi32(words, 6)),
+                                 _mm256_or_si256(_mm256_slli_epi32(words, 12), _mm256_slli_epi32(words, 18)));
+        spread = _mm256_and_si256(spread, _mm256_set1_epi32(0x03030303));
+      } else {
+        // Each packed byte copied to eight, of which byte j keeps bit j and then becomes 1 if
+        // that is set.
+        uint32_t four;
+        std::memcpy(&four, packed + byte, sizeof(four));
+        const __m256i copies =
+            _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(four)),
+                                _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                                                 3, 3, 3, 3, 3, 3, 3, 3));
+        const __m256i bits = _mm256_and_si256(copies, _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull)));
+        spread = _mm256_min_epu8(bits, _mm256_set1_epi8(1));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + byte * kPerByte), spread);
+    }
+    unpack_codes<kBits>(Portable{}, packed + blocks_end, bytes - blocks_end, codes + blocks_end * kPerByte);
+  }
+}
+#endif
+
 // One parallel task of encode_groups: groups [first_group, last_group).
 template <int kBits, typename GroupSource>
 struct EncodeTask {
@@ -206,14 +408,15 @@ struct EncodeTask {
   std::vector<float> buffer;
   std::vector<uint8_t> codes;
 
-  LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t first_group, int64_t last_group) {
+  template <typename Isa>
+  LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t first_group, int64_t last_group, Isa isa) {
     buffer.resize(group_size);
     codes.resize(group_size);
     for (int64_t group = first_group; group < last_group; ++group) {
       const int64_t start = group * group_size;
       const int64_t valid = std::min(group_size, numel - start);
       const float* values = source(start, valid, buffer.data());
-      const GroupParams params = group_params(range_of(values, valid), kBits);
+      const GroupParams params = group_params(range_of(isa, values, valid), kBits);
       stats_words[2 * group] = params.stats_low;
       stats_words[2 * group + 1] = params.stats_step;
 
@@ -225,16 +428,25 @@ struct EncodeTask {
       const uint32_t key = stream_key(seed, static_cast<uint32_t>(static_cast<uint64_t>(start) >> 32));
       const uint32_t first_index = static_cast<uint32_t>(start);
       const bool positive_step = params.step > 0.0f;
+      int64_t done = 0;
+      if (positive_step) {
+        done = params.zero_preserving ? encode_blocks<kBits, true>(isa, values, valid, params, key, first_index, packed)
+                                      : encode_blocks<kBits, false>(isa, values, valid, params, key, first_index, packed);
+      }
+      const float* const rest = values + done;
+      const int64_t rest_count = valid - done;
+      const uint32_t rest_index = first_index + static_cast<uint32_t>(done);
+      uint8_t* const rest_codes = codes.data() + done;
       if (params.zero_preserving) {
-        positive_step ? encode_codes<true, true>(values, valid, params, key, first_index, codes.data())
-                      : encode_codes<true, false>(values, valid, params, key, first_index, codes.data());
+        positive_step ? encode_codes<true, true>(rest, rest_count, params, key, rest_index, rest_codes)
+                      : encode_codes<true, false>(rest, rest_count, params, key, rest_index, rest_codes);
       } else {
-        positive_step ? encode_codes<false, true>(values, valid, params, key, first_index, codes.data())
-                      : encode_codes<false, false>(values, valid, params, key, first_index, codes.data());
+        positive_step ? encode_codes<false, true>(rest, rest_count, params, key, rest_index, rest_codes)
+                      : encode_codes<false, false>(rest, rest_count, params, key, rest_index, rest_codes);
       }
       // The last group's padding gets code 0.
       std::fill(codes.begin() + valid, codes.end(), 0);
-      pack_codes<kBits>(codes.data(), group_size, packed);
+      pack_codes<kBits>(rest_codes, group_size - done, packed + done * kBits / 8);
     }
   }
 };
@@ -263,7 +475,8 @@ struct DecodeTask {
   const uint16_t* stats_words;
   std::vector<uint8_t> codes;
 
-  LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t first_group, int64_t last_group) {
+  template <typename Isa>
+  LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t first_group, int64_t last_group, Isa isa) {
     constexpr int kPerByte = 8 / kBits;
     codes.resize(group_size);
     const uint8_t* const group_codes = codes.data();
@@ -271,7 +484,7 @@ struct DecodeTask {
       const DecodeParams params = decode_params(stats_words[2 * group], stats_words[2 * group + 1]);
       const int64_t start = group * group_size;
       const int64_t valid = std::min(group_size, numel - start);
-      unpack_codes<kBits>(code_bytes + start * kBits / 8, (valid + kPerByte - 1) / kPerByte, codes.data());
+      unpack_codes<kBits>(isa, code_bytes + start * kBits / 8, (valid + kPerByte - 1) / kPerByte, codes.data());
       // The sink's loop gets decode_value with the group's kind as a constant: no branch.
       const auto store = [&](auto zero_preserving) {
         DecodeParams group_params = params;

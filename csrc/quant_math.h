@@ -75,11 +75,15 @@ LIGHTNING_ACT_HD float div_rn(float a, float b) {
 #endif
 }
 
+// mix32's multipliers, named for the CPU's vector form of mix32_tail (quant_cpu.h).
+constexpr uint32_t kMixMultiplier1 = 0x7FEB352Du;
+constexpr uint32_t kMixMultiplier2 = 0x846CA68Bu;
+
 // mix32 without its first step, x ^= x >> 16.
 LIGHTNING_ACT_HD uint32_t mix32_tail(uint32_t x) {
-  x *= 0x7FEB352Du;
+  x *= kMixMultiplier1;
   x ^= x >> 15;
-  x *= 0x846CA68Bu;
+  x *= kMixMultiplier2;
   x ^= x >> 16;
   return x;
 }
