@@ -513,8 +513,8 @@ def peak_part(models: list[str], device: torch.device, data_dir: Path, timeline:
         row["floor_of_limit"] = limit["peak_bytes"] / max(floor["peak_bytes"], 1)
         results["peak"][name] = row
         save()
-        log(f"{name}: kept {row['kept_ratio']:.2f}x, peak {row['peak_ratio']:.2f}x, 2-bit floor {row['floor_ratio']:.2f}x, "
-            f"limit {row['limit_ratio']:.2f}x; {100 * row['floor_reached']:.1f}% of the floor and "
+        log(f"{name}: kept {row['kept_ratio']:.2f}x, peak {row['peak_ratio']:.2f}x, "
+            f"2-bit floor {row['floor_ratio']:.2f}x, limit {row['limit_ratio']:.2f}x; {100 * row['floor_reached']:.1f}% of the floor and "
             f"{100 * row['limit_reached']:.1f}% of the limit reached (the floor itself: "
             f"{100 * row['floor_of_limit']:.1f}% of the limit)")
 

@@ -99,7 +99,16 @@ from lightning_act.ops.validation import MIN_GROUP_SIZE
 from lightning_act.policy.allocation import STATS_BITS_PER_GROUP
 from lightning_act.optrack import TrackedCall, call_argument, is_same_tensor, saved_index_range
 
-__all__ = ["Decision", "Kind", "PiecewiseInput", "SaturatingInput", "decide", "floor_bits", "normalized_row", "source_parameter"]
+__all__ = [
+    "Decision",
+    "Kind",
+    "PiecewiseInput",
+    "SaturatingInput",
+    "decide",
+    "floor_bits",
+    "normalized_row",
+    "source_parameter",
+]
 
 # Ops whose backward reads only ``out > 0`` of the output they save, while the next layer
 # usually saves the same tensor for its values.

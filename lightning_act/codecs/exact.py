@@ -153,7 +153,8 @@ class SignMaskCodec:
     Exact for a consumer that reads nothing but the sign: LeakyReLU saves its input and its
     backward is ``grad * (x > 0 ? 1 : slope)``, and the decoded 0/1 tensor gives that same
     mask. With an interval, exact for ReLU6, Hardtanh and Hardsigmoid, whose backward is
-    ``grad`` times one constant where ``low < x < high`` and 0 elsewhere. Exact also for dropout's noise on the CPU (``bernoulli(1 - p) / (1 - p)``, saved by
+    ``grad`` times one constant where ``low < x < high`` and 0 elsewhere. Exact also for
+    dropout's noise on the CPU (``bernoulli(1 - p) / (1 - p)``, saved by
     the multiplication that applies it) when ``divisor = 1 - p``: decoding repeats the same
     division in the same dtype. Any other consumer gets a wrong tensor, so select this codec
     only for a tensor saved by such an op (see :mod:`lightning_act.optrack`) and never hand
