@@ -58,7 +58,8 @@ steps averages out. Each rule below says how backward uses a tensor, read off th
   - 4 bits for what backward is quadratic in: a value computed and saved inside a
     composite op (a recurrent op's gates, run step by step under one call: which backward
     reads it is not known, and the gates' own backward is quadratic in them), and the
-    input of LayerNorm, RMSNorm, GroupNorm and InstanceNorm (``x_hat mean(g x_hat)``);
+    input of LayerNorm, RMSNorm (also written out in pointwise ops), GroupNorm and
+    InstanceNorm (``x_hat mean(g x_hat)``);
   - 1 bit otherwise: backward is linear in the tensor, or smooth in it (SiLU, GELU,
     sigmoid, tanh: a bias of the order of the rounding variance times the curvature,
     measured well under the noise at 2 bits on the models tested).
