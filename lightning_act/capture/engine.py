@@ -13,7 +13,6 @@ entered for the session.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -85,10 +84,6 @@ class Probe:
     def add(self, slot: str, dense: torch.Tensor, codec: GroupQuantCodec) -> None:
         """A slot to probe, with the exact tensor its record holds and its quantizer."""
         self.slots.append(slot)
-        self.hold(slot, dense, codec)
-
-    def hold(self, slot: str, dense: torch.Tensor, codec: GroupQuantCodec) -> None:
-        """The exact tensor a slot's record holds from now on, and its quantizer."""
         self._held[slot] = (dense, codec)
 
     def rounding_energies(self, widths: Sequence[int]) -> torch.Tensor:
@@ -460,60 +455,13 @@ class ActivationCapture:
             return None
         needed = self._bits_needed(module, op, decision)
         if cached.view == (t.shape, t.stride()):
-            if cached.view_guaranteed >= needed:
-                return cached.saved
-            return self._raise_floor(key, cached, t, needed, module, op, decision)
+            # A copy with fewer bits than this save needs (RMSNorm's input, which pow saved
+            # at the quantizer's bits before mul saved it) is stored again at this save's
+            # floor, and later saves share the new copy.
+            return cached.saved if cached.view_guaranteed >= needed else None
         if cached.run_guaranteed >= needed:
             return RegionView(cached.record, t)
         return None
-
-    def _raise_floor(
-        self, key: tuple, cached: Shared, t: torch.Tensor, needed: float, module: str, op: str | None,
-        decision: Decision,
-    ) -> Any:
-        """Serve a save of the same view as an earlier one that needs more bits than the
-        earlier copy guarantees (RMSNorm's input, which ``pow`` saved before ``mul``; a
-        block input that Tanh saved before a checkpoint did): the earlier slot's floor is
-        raised to this save's, and the tensor stored again at it in place of the earlier
-        record, laid out as this save needs, so that one copy serves both. None where this
-        save needs the tensor exact: it is then kept on its own."""
-        saved = cached.saved
-        if not math.isfinite(needed) or not isinstance(saved, Compressed) or saved.slot is None:
-            return None
-        slot = saved.slot
-        info = dataclasses.replace(self.slots[slot], min_bits=max(self.slots[slot].min_bits, int(needed)))
-        self.slots[slot] = info
-        codec = self._codec_for(module, op, decision)
-        layout = decision.layout
-        if decision.row_layout is not None and isinstance(codec, GroupQuantCodec):
-            layout = decision.row_layout
-        earlier = self.report.slots.get(slot)
-        if isinstance(saved.record, ProbeRecord):
-            # Exact until probed; probed through the quantizer this save would store it with.
-            probe_codec = codec if isinstance(codec, GroupQuantCodec) else self._codecs["quant"]
-            dense = layout.dense(t).detach()
-            saved.record = ProbeRecord(self._probe, slot, dense, probe_codec)
-            saved.layout = layout
-            if slot in self._probe.slots:
-                self._probe.hold(slot, dense, probe_codec)
-        elif (bits := self.policy.bits_for(slot, info)) != earlier.bits or layout != saved.layout:
-            self._packs += 1
-            record = codec.pack(layout.dense(t), bits, splitmix64(self._seed + self._packs) >> 1)
-            if isinstance(record, StoredTensor):  # a shape the codec does not compress
-                return None
-            grown = record.nbytes - saved.record.nbytes
-            self.report.stored_bytes += grown
-            memory = self.report.modules[earlier.module]
-            memory.stored_bytes += grown
-            memory.bits.add(bits)
-            self.report.slots[slot] = dataclasses.replace(earlier, bits=bits, stored_bytes=record.nbytes,
-                                                          codec=record.codec)
-            self._stats = [stats for stats in self._stats if stats is not saved.record.stats] + [record.stats]
-            saved.record, saved.layout = record, layout
-        run_record = saved.record if cached.record is not None and layout.memory_order else None
-        self._dedup[key] = cached._replace(record=run_record, view_guaranteed=needed,
-                                           run_guaranteed=needed if run_record is not None else 0.0)
-        return saved
 
     def _share(
         self,
@@ -609,8 +557,7 @@ class ActivationCapture:
             if not self.policy.pins_bits(info):  # a rule decides its bits: nothing to measure
                 self._probe.add(slot, dense.detach(), probe_codec)
             self._account(module, t, Outcome.EXACT, 0)
-            return Compressed(ProbeRecord(self._probe, slot, dense.detach(), probe_codec), layout, decision.substitute,
-                              slot)
+            return Compressed(ProbeRecord(self._probe, slot, dense.detach(), probe_codec), layout, decision.substitute)
         bits = self.policy.bits_for(slot, info)
         dense_bytes = layout.numel * dense.element_size()  # without the padding of rows
         if bits is None:
@@ -630,7 +577,7 @@ class ActivationCapture:
         memory.bits.add(bits)
         memory.codecs.add(record.codec)
         self.report.slots[slot] = SlotMemory(module, tuple(t.shape), bits, dense_bytes, record.nbytes, record.codec, op)
-        return Compressed(record, layout, decision.substitute, slot)
+        return Compressed(record, layout, decision.substitute)
 
 
 

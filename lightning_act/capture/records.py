@@ -145,14 +145,12 @@ class Compressed:
     stored in, and what puts a stored substitute's decoded values back on its piece
     (:class:`~lightning_act.capture.decide.PiecewiseInput`)."""
 
-    __slots__ = ("record", "layout", "substitute", "slot")
+    __slots__ = ("record", "layout", "substitute")
 
-    def __init__(self, record, layout: Layout, substitute=None, slot: str | None = None):
+    def __init__(self, record, layout: Layout, substitute=None):
         self.record = record
         self.layout = layout
         self.substitute = substitute
-        #: The policy's slot of a float tensor's record (None for masks and indices).
-        self.slot = slot
 
     def unpack(self) -> torch.Tensor:
         dense = self.record.unpack()
