@@ -54,7 +54,7 @@ FAST = frozenset({"hf_llama", "hf_llama_checkpointing", "hf_bert", "torch_lstm"}
 # What each model misses today, and why (measured with benchmarks/model_libraries.py).
 KNOWN_FAILURES = {
     ("hf_llama_checkpointing", "kept_memory"): (
-        "4.62x: checkpointing leaves few saved tensors: each decoder layer's input, from which backward "
+        "4.47x: checkpointing leaves few saved tensors: each decoder layer's input, from which backward "
         "recomputes the layer, at its 8-bit floor (2 x 33,280 bytes), and cross_entropy's log-probabilities "
         "(512, 256) at theirs (133,120 bytes), most of the 0.24 MiB kept"
     ),
