@@ -88,6 +88,7 @@ decision of each slot repeats too, and may be computed once and replayed.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from typing import NamedTuple
 
@@ -119,7 +120,8 @@ _SIGN_ONLY_OPS = frozenset({"leaky_relu", "leaky_relu_"})
 # Ops that read the tensor they save only for whether it lies strictly inside an interval
 # (their derivative is one constant inside and zero outside), and where the call gives
 # that interval: a 1-bit mask is exact where 2-bit rounding near an end flips the gradient.
-# On the in-place forms the saved tensor is the output, clamped to the ends: outside too.
+# On the in-place forms autograd saves a copy of the input, or the output, clamped to the
+# ends and so outside too: the mask is the same.
 _INTERVAL_OPS = {
     "hardtanh": lambda call: (call_argument(call, 1, "min_val"), call_argument(call, 2, "max_val")),
     "relu6": lambda call: (0.0, 6.0),
@@ -276,9 +278,15 @@ class PiecewiseInput(NamedTuple):
         return torch.where(x >= self.high, self.above, x).masked_fill_(x <= self.low, self.below)
 
     def restore(self, decoded: torch.Tensor) -> torch.Tensor:
-        ends = torch.tensor([self.low, self.high], dtype=decoded.dtype)
-        inner_low, inner_high = torch.nextafter(ends, ends.flip(0)).tolist()
-        return decoded.clamp_(inner_low, inner_high)
+        return decoded.clamp_(*_inner_ends(self.low, self.high, decoded.dtype))
+
+
+@functools.cache
+def _inner_ends(low: float, high: float, dtype: torch.dtype) -> tuple[float, float]:
+    """The values of ``dtype`` next to ``low`` and ``high`` inside ``(low, high)``."""
+    ends = torch.tensor([low, high], dtype=dtype)
+    inner_low, inner_high = torch.nextafter(ends, ends.flip(0)).tolist()
+    return inner_low, inner_high
 
 
 class SaturatingInput(NamedTuple):
@@ -638,8 +646,9 @@ def decide(
         return Decision(Kind.EXTERNAL)
     op = None if call is None else call.name
     min_bits = floor_bits(t, call)
+    interval = _interval(t, call) if floating else None
     if floating:
-        reads_one_bit = op in _SIGN_ONLY_OPS or op in _DROPOUT_OPS or _interval(t, call) is not None
+        reads_one_bit = op in _SIGN_ONLY_OPS or op in _DROPOUT_OPS or interval is not None
         kind = Kind.SIGN_MASK if reads_one_bit else Kind.QUANTIZE
     elif t.dtype == torch.bool:
         kind = Kind.MASK
@@ -682,5 +691,5 @@ def decide(
     if kind is Kind.SIGN_MASK and op in _DROPOUT_OPS:
         return Decision(kind, min_bits, divisor=_dropout_keep_probability(call), layout=layout)
     if kind is Kind.SIGN_MASK:
-        return Decision(kind, min_bits, interval=_interval(t, call), layout=layout)
+        return Decision(kind, min_bits, interval=interval, layout=layout)
     return Decision(kind, min_bits, layout=layout)
