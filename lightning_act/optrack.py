@@ -48,14 +48,16 @@ class TrackedCall:
     """One torch function call in progress.
 
     ``saves`` counts the tensors the call saved for backward so far; the capture engine
-    counts them, so that a rule can tell saves apart by position (attention saves its query
-    and key before anything else).
+    counts them, so that the analysis of the call's backward
+    (:func:`~lightning_act.backward_reads.call_reads`), which lists the saves in the order the
+    call makes them, can tell which one is being saved.
     """
 
-    __slots__ = ("name", "args", "kwargs", "saves")
+    __slots__ = ("name", "func", "args", "kwargs", "saves")
 
-    def __init__(self, name: str, args: tuple, kwargs: dict, saves: int = 0):
+    def __init__(self, name: str, args: tuple, kwargs: dict, saves: int = 0, func: Any = None):
         self.name = name
+        self.func = func
         self.args = args
         self.kwargs = kwargs
         self.saves = saves
@@ -91,7 +93,7 @@ class OpTracker(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
             return func(*args, **kwargs)
-        self._calls.append(TrackedCall(_function_name(func), args, kwargs))
+        self._calls.append(TrackedCall(_function_name(func), args, kwargs, func=func))
         try:
             return func(*args, **kwargs)
         finally:

@@ -1,4 +1,4 @@
-"""How one saved tensor must be stored, from what it is and from how its op's backward reads it.
+"""How one saved tensor must be stored, from what it is and from how backward reads it.
 
 :func:`decide` is every such rule in one place, and pure: it reads the tensor's dtype, shape,
 strides and autograd history and the call that saves it (from the
@@ -6,11 +6,59 @@ strides and autograd history and the call that saves it (from the
 dispatches on the :class:`Decision`; the rules (by module and op) and the policy then pick
 the codec and bits of a tensor decided :attr:`Kind.QUANTIZE`, never below its floor.
 
-The principle: stochastic rounding makes a stored tensor right on average, so the gradient
-is unbiased exactly where backward uses the tensor **linearly** (a matmul's or conv's
-input, a normalisation's input given exact statistics, up to a term of order 1/N). Where
-backward passes it through a nonlinearity, the noise becomes a bias, which no number of
-steps averages out. Each rule below says how backward uses a tensor, read off the call:
+How backward reads a saved float tensor is not looked up in a list of ops: it is read off
+the backward of the call that saves it, traced once per call signature
+(:mod:`lightning_act.backward_reads`, the same analysis the compiled path applies to a
+compiled backward graph). Stochastic rounding keeps the gradient unbiased exactly where
+backward reads the tensor linearly; the analysis says where it does not:
+
+* compared with another value, cast to an integer or rounded, read by an op outside aten
+  (``amax``'s ``x == result``, ``roi_align``'s box indices), or a call whose backward could
+  not be traced: kept exact. Correct before compressed;
+* compared only with constants: exact, or a 1-bit mask where a codec keeps the comparisons
+  (see the hand rules below);
+* read quadratically (a normalisation's input, a recurrent op's gates, a sigmoid's or
+  tanh's output): at least 4 bits. At 2 bits LayerNorm's input biased a BERT's gradient
+  (16-seed mean 2.4x closer than one seed, 4x when unbiased) and a GRU's gates likewise; at
+  4 bits the rounding variance, and the bias with it, is 25 times smaller;
+* through a smooth nonlinearity (exp: softmax's log-probabilities, attention's query and
+  key), or divided by, through a log, a root or a power below 1: at least 8 bits. There
+  rounding noise is amplified and its mean is not zero (E[1/(x+e)] > 1/x: a mean
+  aggregation's neighbour count at 2 bits biased a graph network's gradient by 0.9 of its
+  norm). A divided-by tensor is also decoded inside the range of the original
+  (:class:`InsideRange`), so rounding never crosses the edge of a domain (``asin``,
+  ``atanh``, ``log1p``: NaN otherwise);
+* the input of a pointwise op whose gradient is ``grad * h(x)`` (SiLU, GELU, Mish,
+  Hardswish, ELU): ``h(x)`` is stored instead, so backward is linear in what is stored, and
+  unbiased at any bits (:class:`~lightning_act.backward_reads.PointwiseDerivative`);
+* linear: 1 bit and up, as the policy decides.
+
+Hand rules remain where a measurement, or something the one call cannot show, says more:
+
+* ReLU's output is stored by the quantizer with zeros exact (2 bits and up), not as a
+  mask: the next layer saves the same tensor for its values, and one copy serves both;
+* LeakyReLU's input, and the input of ReLU6, Hardtanh and Hardsigmoid (compared with 0, or
+  with the ends of an interval the call gives), and dropout's noise on the CPU: 1-bit masks;
+* softmax's output: 8 bits. Backward is quadratic in it, but at 2 bits the logits of a small
+  transformer cost +25% validation loss, and 4 bits kept its query and key on their loss
+  plateau;
+* BatchNorm's input: no floor. Backward is quadratic in it like any normalisation's, but the
+  bias is of order variance / row length, and its rows (a channel over the batch and the
+  map) are long; its inputs are a third of a CNN's memory;
+* RMSNorm written out in pointwise ops (``x * rsqrt(mean(x**2) + eps)``, as HF's Llama, Mistral
+  and T5 write it): its ``mul`` reads ``x`` linearly, but ``x`` reaches the per-row factor
+  through other calls, so backward multiplies two uses of it. Found by the factor's autograd
+  history; 4 bits;
+* a tensor saved outside any tracked call (``ctx.save_for_backward`` of a custom autograd
+  function): 8 bits. Non-reentrant activation checkpointing saves each block's input this
+  way and recomputes the whole block from it in backward; at 2 bits that input biased a
+  checkpointed transformer's gradient by 0.22 of its norm;
+* a reduction statistic (LayerNorm's mean and rstd, attention's logsumexp): kept exact, as
+  backward multiplies its noise into everything and it costs little (a cost rule);
+* parameters, tensors alive anyway, masks and indices, dtypes, layouts and overlapping views
+  no codec takes: as below.
+
+In full, by what the tensor is:
 
 * a parameter, a view of one, or a cast copy of one: never compressed. A view of it (or a
   copy in its own dtype) is alive anyway and passes through; autocast's exact cast copy is
@@ -23,97 +71,62 @@ steps averages out. Each rule below says how backward uses a tensor, read off th
   GPU measuring it would be a host synchronisation per tensor, so the tensor is kept as it
   is. A one-byte integer tensor with no bound is an opaque buffer (an RNN workspace) and is
   kept as it is (see ``_OPAQUE_BYTES``);
-* a float tensor that holds one bit per value for its op (LeakyReLU's input, read only
-  for its sign; the input of ReLU6, Hardtanh and Hardsigmoid, read only for whether it
-  lies inside the op's interval; dropout's noise on the CPU): a 1-bit mask, exact;
-* Hardswish's input, whose backward is affine in it on [-3, 3] and constant outside:
-  quantized after each value outside is replaced by the point of the affine piece with
-  the same derivative (1.5 above, -1.5 below), so backward is linear in every value stored
-  and no rounding crosses a switch;
 * too small, laid out with overlapping elements (a broadcast/unfolded view whose dense
-  copy would be larger), or of a dtype no codec takes (complex): kept as it is. Size is a
-  cost rule, not a sensitivity rule: below ``min_numel`` the group statistics and the
-  per-tensor work cost more than the bits saved, and what such a tensor adds to the kept
-  memory is negligible; how sensitive a tensor is, is decided by the floors below;
-* a reduction statistic, at least 8 times smaller than its op's largest input and an
-  output of the op itself (LayerNorm's mean and rstd, attention's logsumexp, not a
-  recurrent op's per-step state): kept exact, since backward multiplies its noise in;
-* anything else: quantized, at no fewer bits than :func:`floor_bits` allows, and, for the
-  input of a normalisation that scales each row by its own 1 / std, in groups that never
-  span two rows: LayerNorm, RMSNorm, GroupNorm and InstanceNorm rows are runs of memory
-  (:func:`normalized_row`); BatchNorm's rows are channels, laid out channel-major for the
-  codec where a channel's values are not runs of whole groups (small maps, channels-last):
+  copy would be larger), not strided (sparse, nested), or of a dtype no codec takes
+  (float64, complex): kept as it is. Size is a cost rule, not a sensitivity rule: below
+  ``min_numel`` the group statistics and the per-tensor work cost more than the bits saved;
+* the input of a normalisation that scales each row by its own 1 / std is quantized in
+  groups that never span two rows: LayerNorm, RMSNorm, GroupNorm and InstanceNorm rows are
+  runs of memory (:func:`normalized_row`); BatchNorm's rows are channels, laid out
+  channel-major for the codec where a channel's values are not runs of whole groups.
 
-  - 2 bits for a ReLU output, whose backward reads ``out > 0`` and which the next layer
-    saves too: a codec that keeps zeros exact (the quantizer) makes ReLU's gradient exact;
-  - 8 bits for what backward puts through an exponential (softmax outputs, attention's
-    query and key) or divides by (a ``div``'s denominator by its argument position, the
-    saved input or output of ``log``, ``sqrt``, ``rsqrt``, ``reciprocal``, a power below
-    1): there a rounding error is amplified without bound and its mean is not zero;
-  - 8 bits for a tensor saved outside any op (``ctx.save_for_backward`` of a custom
-    autograd function), whose backward is unknown: non-reentrant activation checkpointing
-    saves each block's input this way and recomputes the whole block from it, every
-    nonlinearity of the block at once. The recomputation runs in backward, where nothing
-    is compressed, so what the block saves is exact;
-  - 4 bits for what backward is quadratic in: a value computed and saved inside a
-    composite op (a recurrent op's gates, run step by step under one call: which backward
-    reads it is not known, and the gates' own backward is quadratic in them), and the
-    input of LayerNorm, RMSNorm (also written out in pointwise ops), GroupNorm and
-    InstanceNorm (``x_hat mean(g x_hat)``);
-  - 1 bit otherwise: backward is linear in the tensor, or smooth in it (SiLU, GELU,
-    sigmoid, tanh: a bias of the order of the rounding variance times the curvature,
-    measured well under the noise at 2 bits on the models tested).
-
-Weighed and not chosen in general: storing a pointwise nonlinearity's derivative instead of
-its input (backward is then linear in what is stored). A saved-tensor hook sees only the
-tensor, and unpack must return an input whose derivative is the stored one. Where the
-derivative is affine on one piece and constant outside it (Hardswish), a point of that
-piece carries every derivative, so the input is stored that way (:class:`PiecewiseInput`);
-SiLU's and GELU's derivatives have no piece on which backward is linear, so recovering an
-input from a rounded derivative would put the rounding back through a nonlinearity. That
-needs the op replaced by an autograd function of its own, not a storage rule.
-
-A new rule about how backward reads a saved tensor goes here: a floor for a tensor that
-backward passes through a nonlinearity goes in :func:`floor_bits`; a tensor that must be
-stored another way gets its own :class:`Kind` (and a branch in the engine's dispatch).
 ``rules`` may raise any tensor's bits or keep it exact; the floors hold under every rule
-and policy.
-
-A :class:`Decision` is a small immutable value. It depends on the tensor's dtype, shape and
-strides, on whether it is a parameter in disguise or alive anyway, and on the op's name and
-its arguments' sizes and storages; so while a forward repeats its ops and shapes, the
-decision of each slot repeats too, and may be computed once and replayed.
+and policy. A :class:`Decision` is a small immutable value. It depends on the tensor's
+dtype, shape and strides, on whether it is a parameter in disguise or alive anyway, and on
+the call's function, its arguments' signatures and the save's position; so while a forward
+repeats its ops and shapes, the decision of each slot repeats too.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 import math
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from lightning_act.backward_reads import PointwiseDerivative, Read, Use, call_reads
 from lightning_act.capture.records import Layout
 from lightning_act.codecs.exact import INDEX_DTYPES
-from lightning_act.ops.validation import MIN_GROUP_SIZE
-from lightning_act.policy.allocation import STATS_BITS_PER_GROUP
+from lightning_act.ops.validation import FLOAT_DTYPES, MIN_GROUP_SIZE
 from lightning_act.optrack import TrackedCall, call_argument, is_same_tensor, saved_index_range
+from lightning_act.policy.allocation import STATS_BITS_PER_GROUP
 
 __all__ = [
     "Decision",
+    "InsideRange",
     "Kind",
-    "PiecewiseInput",
-    "SaturatingInput",
     "decide",
     "floor_bits",
     "normalized_row",
+    "read_of",
     "source_parameter",
 ]
 
-# Ops whose backward reads only ``out > 0`` of the output they save, while the next layer
-# usually saves the same tensor for its values.
+# The floor of each way backward reads a tensor (see the module notes).
+_QUADRATIC_BITS = 4
+_NONLINEAR_BITS = 8
+_FLOORS = {
+    Use.NONE: 1,
+    Use.LINEAR: 1,
+    Use.QUADRATIC: _QUADRATIC_BITS,
+    Use.SMOOTH: _NONLINEAR_BITS,
+    Use.SINGULAR: _NONLINEAR_BITS,
+}
+
+# Hand rules: ops whose comparisons a codec keeps. ReLU's backward reads only ``out > 0``
+# of the output it saves, while the next layer usually saves the same tensor for its values.
 _ZERO_EXACT_OPS = frozenset({"relu", "relu_"})
 # Ops that read the tensor they save only for its sign.
 _SIGN_ONLY_OPS = frozenset({"leaky_relu", "leaky_relu_"})
@@ -129,49 +142,14 @@ _INTERVAL_OPS = {
 }
 _INTERVAL_OPS.update({name + "_": interval for name, interval in list(_INTERVAL_OPS.items())})
 _HARDTANH_DEFAULT_INTERVAL = (-1.0, 1.0)
-# Backward applies a softmax (or its exp) to these saved tensors: the output of softmax,
-# log_softmax and cross_entropy (its log-probabilities), and attention's query and key
-# (the probabilities are recomputed from them). Through that nonlinearity rounding noise
-# becomes a bias, which adds up over steps instead of averaging out: at 2 bits the logits
-# of a small transformer cost +25% validation loss, and at 4 bits its query and key kept it
-# on its loss plateau. They are stored at 8 bits or more.
-_SOFTMAX_OUTPUT_OPS = frozenset({"softmax", "log_softmax", "cross_entropy"})
-_ATTENTION_OPS = frozenset({"scaled_dot_product_attention"})
-_SOFTMAX_BITS = 8
-# Pointwise ops whose backward divides by the tensor they save, or by a power of it: the
-# denominator of ``div`` (found by its argument position), ``log``'s input, the outputs of
-# ``sqrt``, ``rsqrt``, ``reciprocal`` and ``1 / x``, and ``pow``'s base under an exponent
-# below 1 or its exponent tensor. Rounding noise near zero becomes an unbounded error there,
-# and its mean is not the exact quotient (E[1/(x+e)] > 1/x): a mean aggregation's neighbour
-# count at 2 bits biased a graph network's gradient by 0.9 of its norm, and a scatter
-# softmax's per-node sum by 0.3. They are stored at the softmax's 8 bits.
-_DIVISION_OPS = frozenset({"div", "div_", "true_divide", "true_divide_", "divide"})
-_DIVISOR_SAVING_OPS = frozenset({"log", "log_", "sqrt", "sqrt_", "rsqrt", "rsqrt_", "reciprocal", "reciprocal_",
-                                 "__rdiv__", "__rtruediv__"})
-_POWER_OPS = frozenset({"pow", "pow_", "float_power", "__pow__", "__rpow__"})
-# A tensor saved outside any tracked op: ``ctx.save_for_backward`` of a custom autograd
-# function, whose backward may do anything with it. Non-reentrant activation checkpointing
-# saves each block's input this way and recomputes the whole block from it in backward
-# (normalisations, softmax, activations: every nonlinearity above at once); at 2 bits that
-# input alone biased a checkpointed transformer's gradient by 0.22 of its norm. The block
-# is recomputed in backward, outside the capture, so its own saves are exact.
-_UNKNOWN_USE_BITS = 8
-# A value computed inside a composite op and saved there (``nn.GRU`` on the CPU runs its
-# cells step by step under the one op ``gru``): some step's backward reads it, but which
-# one, and how, the call does not tell. Among them are the gates' sigmoid and tanh outputs,
-# whose own backward reads ``y (1 - y)`` and ``1 - y**2``, quadratic in the rounded value:
-# at 2 bits they made a GRU's gradient biased (16-seed mean 2.4x closer than one seed, 4x
-# when unbiased). At 4 bits the rounding variance, and the bias with it, is 25 times smaller.
-# The same holds for the input of a normalisation over rows (LayerNorm and its kin): its
-# input gradient ``rstd (g - mean(g) - x_hat mean(g x_hat))`` is quadratic in the rounded
-# input, a bias of order variance / row length. On BERT (rows of 64) it made the 2-bit
-# gradient biased (2.4x) and carried most of its error: at 4 bits the error fell from 0.055
-# to 0.011 (unbiased, 3.9x) for 5% more stored. BatchNorm's rows (a channel over the batch
-# and the map) are long, and its inputs are a third of a CNN's memory: it has no floor.
-_QUADRATIC_BITS = 4
 # Dropout on the CPU saves its noise, bernoulli(1 - p) / (1 - p): a mask and a known scale
 # (on a GPU it saves a boolean mask, stored losslessly like any other).
 _DROPOUT_OPS = frozenset({"dropout", "dropout_"})
+# Hand floors (see the module notes).
+_SOFTMAX_OPS = frozenset({"softmax", "softmax_"})
+_UNKNOWN_USE_BITS = _NONLINEAR_BITS
+_BATCH_NORM_OPS = frozenset({"batch_norm"})
+
 # Normalisations whose backward scales each row's noise by that row's 1 / std. A group of
 # the quantizer that spans two rows takes its range from the wider one, and the narrow
 # row's rounding noise, amplified by its small std, swamps its gradient: on a ViT, groups
@@ -190,7 +168,6 @@ _ROW_NORMALIZING_OPS = frozenset({"layer_norm", "rms_norm", "group_norm", "insta
 # 2.2x closer than one seed).
 _SCALING_OPS = frozenset({"mul", "mul_", "multiply", "__mul__", "__rmul__"})
 _ROW_FACTOR_HISTORY = 8  # autograd nodes searched from the factor back to x
-
 # A float tensor that its op computed (not one of the op's arguments) and that is at least
 # this many times smaller than the op's largest activation argument is a reduction
 # statistic (LayerNorm's mean and rstd, attention's logsumexp): the backward scales
@@ -231,7 +208,6 @@ _VIEW_OR_CAST_NODES = frozenset(
     }
 )
 
-
 class Kind(enum.Enum):
     """How a saved tensor is stored."""
 
@@ -258,52 +234,27 @@ class Kind(enum.Enum):
     QUANTIZE = "quantize"
 
 
-class PiecewiseInput(NamedTuple):
-    """The input of an op whose backward reads it only through a derivative that is affine
-    in it strictly inside ``(low, high)`` and constant outside (Hardswish), stored as a
-    tensor inside that piece with the same derivative everywhere: the values at or below
-    ``low`` become ``below`` and those at or above ``high`` become ``above``, points of the
-    piece with the derivative of the outside values. Backward is then linear in every
-    stored value, so stochastic rounding stays unbiased, and no rounding of a value near a
-    switch crosses it: decoded values are clamped back inside the piece, where the codec's
-    grid, whose ends are rounded outward to bfloat16, would reach it or past it (its low
-    end often lands on ``low`` itself, which the CPU kernel already reads as outside)."""
+class InsideRange:
+    """Decoded values clamped into ``[min, max]`` of the original tensor, kept exactly as two
+    scalars. Backward divides by the tensor, or takes its root or log: the original values
+    lie inside the domain of that function (an interval), so do their range's, and rounding
+    (whose grid ends are rounded outward to bfloat16) can no longer cross its edge."""
 
-    low: float
-    high: float
-    below: float
-    above: float
+    @staticmethod
+    def store(x: torch.Tensor) -> tuple[torch.Tensor, _Bounds]:
+        low, high = torch.aminmax(x.detach())
+        return x, _Bounds(low, high)
 
-    def store(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.where(x >= self.high, self.above, x).masked_fill_(x <= self.low, self.below)
+
+class _Bounds(NamedTuple):
+    low: torch.Tensor
+    high: torch.Tensor
 
     def restore(self, decoded: torch.Tensor) -> torch.Tensor:
-        return decoded.clamp_(*_inner_ends(self.low, self.high, decoded.dtype))
+        return decoded.clamp_(self.low.to(decoded.dtype), self.high.to(decoded.dtype))
 
 
-@functools.cache
-def _inner_ends(low: float, high: float, dtype: torch.dtype) -> tuple[float, float]:
-    """The values of ``dtype`` next to ``low`` and ``high`` inside ``(low, high)``."""
-    ends = torch.tensor([low, high], dtype=dtype)
-    inner_low, inner_high = torch.nextafter(ends, ends.flip(0)).tolist()
-    return inner_low, inner_high
-
-
-class SaturatingInput(NamedTuple):
-    """The input of an op whose derivative levels off to constants on both sides (SiLU,
-    GELU), stored clamped to ``[-limit, limit]``, beyond which the derivative is within
-    ``1e-3`` of its limit. Values far out (a BatchNorm output of 40 next to ones of 0.1)
-    otherwise stretch their group's range, and the rounding noise of every value in it,
-    which backward puts through the derivative's curvature: a bias of the order of the
-    noise's variance. Clamped, a group spans at most ``2 * limit``."""
-
-    limit: float
-
-    def store(self, x: torch.Tensor) -> torch.Tensor:
-        return x.clamp(-self.limit, self.limit)
-
-    def restore(self, decoded: torch.Tensor) -> torch.Tensor:
-        return decoded
+_INSIDE_RANGE = InsideRange()
 
 
 class Decision(NamedTuple):
@@ -320,9 +271,9 @@ class Decision(NamedTuple):
     divisor: float | None = None
     #: :attr:`Kind.SIGN_MASK` read for being inside ``(low, high)`` rather than above 0.
     interval: tuple[float, float] | None = None
-    #: :attr:`Kind.QUANTIZE`: what is stored in place of the tensor, which the op's backward
-    #: reads as it would the tensor; for this op alone.
-    substitute: PiecewiseInput | SaturatingInput | None = None
+    #: :attr:`Kind.QUANTIZE`: what is stored in place of the tensor (its ``store`` gives
+    #: the tensor to encode and what restores it at unpack); for this op alone.
+    substitute: PointwiseDerivative | InsideRange | None = None
     #: How to lay the tensor out for its codec, for the kinds stored by one.
     layout: Layout | None = None
     #: :attr:`Kind.RECAST_WEIGHT`: the parameter to cast again at unpack.
@@ -368,16 +319,6 @@ def _is_input(t: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
     storage = t.untyped_storage().data_ptr()
     return any(a.untyped_storage().data_ptr() == storage for a in inputs)
 
-
-def _is_inside_composite(t: torch.Tensor, call: TrackedCall) -> bool:
-    """Whether ``t`` is neither an input nor an output of the op but a value computed on the
-    way: its autograd history runs through steps inside the op."""
-    if t.grad_fn is None:
-        return False
-    inputs = _tensor_arguments(call)
-    return not _is_input(t, inputs) and not _is_direct_output(t, inputs)
-
-
 def _is_statistic(t: torch.Tensor, call: TrackedCall) -> bool:
     inputs = _tensor_arguments(call)
     # Only a larger activation makes it a statistic; a parameter's size says nothing. Checked
@@ -412,48 +353,6 @@ def _is_direct_output(t: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
     if node.name() in _VIEW_OR_CAST_NODES and reaches_input(node):
         return True
     return any(reaches_input(parent) for parent, _ in node.next_functions)
-
-
-def _is_attention_score_input(t: torch.Tensor, call: TrackedCall) -> bool:
-    """Whether ``t`` is the query or the key of the attention call saving it, or its padded
-    copy: the flash kernels need a head dimension that is a multiple of 8 and save copies
-    of query, key and value padded to one, in that order. Value's copy has the same shape
-    as key's; only its position among the call's saves tells them apart."""
-    if call.name not in _ATTENTION_OPS:
-        return False
-    for position, name in enumerate(("query", "key")):
-        source = call_argument(call, position, name)
-        if is_same_tensor(source, t) or (call.saves == position and _is_padded_copy(t, source)):
-            return True
-    return False
-
-
-def _is_padded_copy(t: torch.Tensor, source) -> bool:
-    """``t`` has ``source``'s shape with the last dimension rounded up to a multiple of 8
-    (heads may differ: grouped-query attention repeats key and value)."""
-    if not isinstance(source, torch.Tensor) or source.dim() < 2 or t.dim() != source.dim():
-        return False
-    width = source.shape[-1]
-    return width % 8 != 0 and t.shape[-1] == width + (-width) % 8 and t.shape[-2] == source.shape[-2]
-
-
-def _is_divisor(t: torch.Tensor, call: TrackedCall) -> bool:
-    """Whether backward divides by ``t`` (or by a power of it) for the call saving it."""
-    name = call.name
-    if name in _DIVISOR_SAVING_OPS:
-        return True
-    if name in _DIVISION_OPS:
-        return is_same_tensor(call_argument(call, 1, "other"), t)
-    if name in _POWER_OPS:
-        base, exponent = call_argument(call, 0, "input", "self"), call_argument(call, 1, "exponent", "other")
-        if name == "__rpow__":  # x.__rpow__(y) is y ** x
-            base, exponent = exponent, base
-        if is_same_tensor(base, t):
-            # x ** n's backward is n * x ** (n - 1): linear in x for n = 2, singular for n < 1.
-            return isinstance(exponent, torch.Tensor) or not (isinstance(exponent, (int, float)) and exponent >= 1)
-        return True  # the exponent tensor, or the output (b ** x's backward is log(b) * out)
-    return False
-
 
 def _is_first_argument(t: torch.Tensor, call: TrackedCall) -> bool:
     """Whether ``t`` is the call's input (its first argument), as a normalisation takes it."""
@@ -491,13 +390,6 @@ def _history_reaches(node, target) -> bool:
             if following is not None:
                 frontier.append(following)
     return False
-
-
-def _is_normalisation_input(t: torch.Tensor, call: TrackedCall) -> bool:
-    """Whether ``t`` is the input a normalisation over rows (an op, or its pointwise form) scales."""
-    if call.name in _ROW_NORMALIZING_OPS:
-        return _is_first_argument(t, call)
-    return _is_scaled_by_own_row_factor(t, call)
 
 
 def normalized_row(t: torch.Tensor, call: TrackedCall | None) -> int | None:
@@ -556,19 +448,35 @@ def _is_channel_normalized(t: torch.Tensor, call: TrackedCall | None, group_size
     return not (t.is_contiguous() and math.prod(t.shape[2:]) % group_size == 0)
 
 
-def floor_bits(t: torch.Tensor, call: TrackedCall | None) -> int:
-    """The fewest bits a saved tensor may get from how its op's backward reads it."""
+def read_of(t: torch.Tensor, call: TrackedCall | None) -> Read | None:
+    """How the backward of ``call`` reads ``t``, its save number ``call.saves``: from the
+    traced backward of the call (:func:`~lightning_act.backward_reads.call_reads`). None when
+    there is no call, or its backward could not be traced or saves something else there."""
+    if call is None or call.func is None:
+        return None
+    traced = call_reads(call.func, call.args, call.kwargs)
+    if traced is None:
+        return None
+    reads, saves = traced
+    if call.saves >= len(saves) or saves[call.saves] != (t.dtype, t.dim()):
+        return None
+    return reads[call.saves]
+
+
+def floor_bits(t: torch.Tensor, call: TrackedCall | None, read: Read | None) -> int:
+    """The fewest bits a saved float tensor may get from how backward reads it."""
     if call is None:
         return _UNKNOWN_USE_BITS
     if call.name in _ZERO_EXACT_OPS:
         return 2
-    if call.name in _SOFTMAX_OUTPUT_OPS or _is_attention_score_input(t, call) or _is_divisor(t, call):
-        return _SOFTMAX_BITS
-    if _is_normalisation_input(t, call):
-        return _QUADRATIC_BITS
-    if t.is_floating_point() and _is_inside_composite(t, call):
-        return _QUADRATIC_BITS
-    return 1
+    if call.name in _SOFTMAX_OPS:
+        return _NONLINEAR_BITS
+    if call.name in _BATCH_NORM_OPS and _is_first_argument(t, call):
+        return 1
+    floor = _FLOORS.get(read.use, _NONLINEAR_BITS) if read is not None else _NONLINEAR_BITS
+    if _is_scaled_by_own_row_factor(t, call):
+        floor = max(floor, _QUADRATIC_BITS)
+    return floor
 
 
 def _is_pointwise_input(t: torch.Tensor, call: TrackedCall) -> bool:
@@ -590,37 +498,14 @@ def _interval(t: torch.Tensor, call: TrackedCall | None) -> tuple[float, float] 
         return None  # tensor bounds, or an empty interval: quantized like any activation
     return float(low), float(high)
 
-
-# Ops whose backward reads the saved input only through its derivative, affine in it on
-# [low, high] and constant outside, given for each op as (low, high, below, above): the
-# points of the affine piece with the derivative of the values below and above it.
-_PIECEWISE_AFFINE_OPS = {
-    # Hardswish's derivative is x / 3 + 1/2 on [-3, 3], 0 below and 1 above.
-    "hardswish": (-3.0, 3.0, -1.5, 1.5),
-    "hardswish_": (-3.0, 3.0, -1.5, 1.5),
-}
-
-
-# Ops whose derivative levels off: the input beyond which it is within 1e-3 of its limits
-# (SiLU: (|x| - 1) e^-|x| < 5e-4 beyond 10; GELU: |x| phi(x) < 1e-5 beyond 5). On inputs of
-# standard deviation 20, clamping took SiLU's 2-bit gradient error from 0.61 to 0.26 and its
-# 8-bit error from 0.024 to 0.005.
-_SATURATING_OPS = {"silu": 10.0, "silu_": 10.0, "gelu": 5.0, "gelu_": 5.0}
-
-
-def _substitute(t: torch.Tensor, call: TrackedCall | None) -> PiecewiseInput | SaturatingInput | None:
-    if call is None or not (call.name in _PIECEWISE_AFFINE_OPS or call.name in _SATURATING_OPS):
-        return None
-    if not _is_pointwise_input(t, call):
-        return None
-    if call.name in _PIECEWISE_AFFINE_OPS:
-        return PiecewiseInput(*_PIECEWISE_AFFINE_OPS[call.name])
-    return SaturatingInput(_SATURATING_OPS[call.name])
-
-
 def _dropout_keep_probability(call: TrackedCall) -> float:
     p = call.kwargs.get("p", call.args[1] if len(call.args) > 1 else 0.5)
     return 1.0 - float(p)
+
+
+
+def _storable_float(t: torch.Tensor) -> bool:
+    return t.dtype in FLOAT_DTYPES and t.layout == torch.strided and not t.is_nested
 
 
 def decide(
@@ -635,6 +520,8 @@ def decide(
         min_numel: tensors with fewer distinct elements are kept as they are.
         group_size: the quantizer's group size, which a normalisation's rows are compared with.
     """
+    if t.layout != torch.strided or t.is_nested:
+        return Decision(Kind.KEEP)  # sparse, nested: no codec takes them
     floating = t.is_floating_point()
     if floating:
         param, recastable = source_parameter(t)
@@ -645,14 +532,27 @@ def decide(
     if external:
         return Decision(Kind.EXTERNAL)
     op = None if call is None else call.name
-    min_bits = floor_bits(t, call)
-    interval = _interval(t, call) if floating else None
     if floating:
-        reads_one_bit = op in _SIGN_ONLY_OPS or op in _DROPOUT_OPS or interval is not None
-        kind = Kind.SIGN_MASK if reads_one_bit else Kind.QUANTIZE
+        if not _storable_float(t):
+            return Decision(Kind.KEEP)  # float64: no codec takes it
+        read = read_of(t, call)
+        if call is not None and (read is None or read.use is Use.EXACT):
+            return Decision(Kind.KEEP)  # backward unseen, or reading it exactly
+        min_bits = floor_bits(t, call, read)
+        interval = _interval(t, call)
+        if op in _DROPOUT_OPS or (read is not None and read.use is Use.REGION):
+            if op in _ZERO_EXACT_OPS:
+                kind = Kind.QUANTIZE  # zeros kept exact: see _ZERO_EXACT_OPS
+            elif op in _SIGN_ONLY_OPS or op in _DROPOUT_OPS or interval is not None:
+                kind = Kind.SIGN_MASK
+            else:
+                return Decision(Kind.KEEP, min_bits)  # compared with constants no codec keeps
+        else:
+            kind = Kind.QUANTIZE
     elif t.dtype == torch.bool:
-        kind = Kind.MASK
+        kind, min_bits, read = Kind.MASK, 1, None
     elif t.dtype in INDEX_DTYPES:
+        min_bits, read = 1, None
         value_range = saved_index_range(call, t)
         if value_range is None and t.element_size() == 1:
             return Decision(Kind.KEEP, min_bits)  # an opaque byte buffer: see _OPAQUE_BYTES
@@ -661,9 +561,9 @@ def decide(
             return Decision(Kind.KEEP, min_bits)
         kind = Kind.INDEX
     else:
-        return Decision(Kind.KEEP, min_bits)
+        return Decision(Kind.KEEP)
     layout = Layout.of(t)
-    if layout is None or layout.numel < max(min_numel, 1):  # empty: nothing to store
+    if layout is None or layout.numel < max(min_numel, 1) or not _fits_storage(t):  # empty: nothing to store
         return Decision(Kind.KEEP, min_bits)
     if kind is Kind.QUANTIZE:
         if call is not None and _is_statistic(t, call):
@@ -677,6 +577,11 @@ def decide(
             row_group, padded_row = _row_grouping(row, group_size, max(min_bits, 2))
             if padded_row != row:
                 row_layout = row_layout.with_padded_rows(t, row, padded_row)
+        substitute = None
+        if read is not None and read.derivative is not None:
+            substitute = read.derivative
+        elif read is not None and read.use is Use.SINGULAR:
+            substitute = _INSIDE_RANGE
         return Decision(
             kind,
             min_bits,
@@ -684,7 +589,7 @@ def decide(
             layout=layout,
             row_group=row_group,
             row_layout=row_layout if row_group is not None else None,
-            substitute=_substitute(t, call),
+            substitute=substitute,
         )
     if kind is Kind.INDEX:
         return Decision(kind, min_bits, value_range=value_range, layout=layout)
@@ -693,3 +598,12 @@ def decide(
     if kind is Kind.SIGN_MASK:
         return Decision(kind, min_bits, interval=interval, layout=layout)
     return Decision(kind, min_bits, layout=layout)
+
+
+def _fits_storage(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` lies inside its storage (an ``as_strided`` view can
+    claim elements past its end, which only its op's own kernel ever reads)."""
+    if t.numel() == 0:
+        return True
+    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+    return min(t.stride(), default=0) >= 0 and (last + 1) * t.element_size() <= t.untyped_storage().nbytes()

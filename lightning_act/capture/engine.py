@@ -540,8 +540,9 @@ class ActivationCapture:
             # A normalisation's rows laid out for the quantizer's groups.
             layout = decision.row_layout
             dense = layout.dense(t)
+        restorer = None
         if decision.substitute is not None:
-            dense = decision.substitute.store(dense)
+            dense, restorer = decision.substitute.store(dense)
         info = self.slots[slot] = SlotInfo(
             module=module,
             shape=tuple(t.shape),
@@ -557,7 +558,7 @@ class ActivationCapture:
             if not self.policy.pins_bits(info):  # a rule decides its bits: nothing to measure
                 self._probe.add(slot, dense.detach(), probe_codec)
             self._account(module, t, Outcome.EXACT, 0)
-            return Compressed(ProbeRecord(self._probe, slot, dense.detach(), probe_codec), layout, decision.substitute)
+            return Compressed(ProbeRecord(self._probe, slot, dense.detach(), probe_codec), layout, restorer)
         bits = self.policy.bits_for(slot, info)
         dense_bytes = layout.numel * dense.element_size()  # without the padding of rows
         if bits is None:
@@ -577,7 +578,7 @@ class ActivationCapture:
         memory.bits.add(bits)
         memory.codecs.add(record.codec)
         self.report.slots[slot] = SlotMemory(module, tuple(t.shape), bits, dense_bytes, record.nbytes, record.codec, op)
-        return Compressed(record, layout, decision.substitute)
+        return Compressed(record, layout, restorer)
 
 
 

@@ -142,8 +142,9 @@ def unpack(saved: Any) -> torch.Tensor:
 
 class Compressed:
     """What autograd holds instead of a compressed tensor: its record, the layout it was
-    stored in, and what puts a stored substitute's decoded values back on its piece
-    (:class:`~lightning_act.capture.decide.PiecewiseInput`)."""
+    stored in, and what turns a stored substitute's decoded values back into what backward
+    reads (:class:`~lightning_act.backward_reads.PointwiseDerivative`,
+    :class:`~lightning_act.capture.decide.InsideRange`)."""
 
     __slots__ = ("record", "layout", "substitute")
 

@@ -1,0 +1,656 @@
+"""How backward reads each saved tensor, read off the backward itself.
+
+Stochastic rounding stores a tensor right on average, so a gradient computed from it is
+unbiased exactly where backward reads the tensor *linearly*. Everywhere else, how backward
+reads the tensor decides how it may be stored. Rather than a list of ops, this module looks
+at the backward: an aten graph in which each saved tensor is one node, whose uses are
+followed to the gradients.
+
+* :func:`classify` is the analysis. It takes one saved tensor's node in an aten graph (the
+  backward of one op here; the backward graph of a compiled region likewise) and returns a
+  :class:`Read`: how backward reads that tensor, by a degree algebra over the aten ops
+  (views, sums and additions keep the degree; a product adds degrees; comparisons,
+  casts, divisions and transcendental functions are recorded as what they are).
+* :func:`call_reads` gives it the graph in eager mode: it traces the call that saves (the
+  torch function the :class:`~lightning_act.optrack.OpTracker` reports) forward and
+  backward with ``make_fx`` on fake tensors and torch's core decompositions, with
+  saved-tensor hooks that mark where backward reads each saved tensor. One trace per call
+  signature (function, and per argument its dtype, rank, broadcast dimensions and whether
+  it requires grad; the non-tensor arguments), cached for the process.
+
+What a :class:`Use` means for storage (:mod:`lightning_act.capture.decide` applies it):
+
+========== ====================================================== ==========================
+use        backward                                               stored
+========== ====================================================== ==========================
+NONE       reads no value of it (its shape at most)                by the policy
+REGION     only compares it with constants (``x <= 0``)            exact, unless a codec keeps
+                                                                   the comparisons (masks)
+LINEAR     is linear in it                                         by the policy, any bits
+QUADRATIC  multiplies two uses of it (a normalisation's input,     4 bits or more
+           a recurrent op's gates, ``y (1 - y)``)
+SMOOTH     puts it through a smooth nonlinearity (exp, sigmoid,    8 bits or more; a pointwise
+           erf, clamps) or compares it and reads its value          derivative is stored instead
+SINGULAR   divides by it, or takes its log, root or a power        8 bits, decoded inside the
+           below 1                                                  range of the original
+EXACT      compares it with another value (``amax``'s              exact
+           ``x == result``), casts it to an integer or rounds it,
+           passes it to an op outside aten (``torchvision::*``),
+           or the backward could not be traced
+========== ====================================================== ==========================
+
+A saved input of a pointwise op whose input gradient is ``grad * h(x)`` (SiLU, GELU, Mish,
+Hardswish, softplus, ELU) gets a :class:`PointwiseDerivative`: ``h(x)`` is stored instead
+of ``x``, so backward is linear in what is stored, and at unpack the input on ``h``'s
+monotone branch with that derivative is handed back. It is found from the graph (pointwise
+ops only, linear in the incoming gradient), and ``h`` is the backward itself evaluated with
+a gradient of ones.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import operator
+import threading
+from typing import Any, Callable, Iterable, NamedTuple
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+__all__ = ["PointwiseDerivative", "Read", "Use", "call_reads", "classify"]
+
+
+class Use(enum.IntEnum):
+    """How backward reads a saved tensor, from the mildest to the strictest; see the module."""
+
+    NONE = 0
+    REGION = 1
+    LINEAR = 2
+    QUADRATIC = 3
+    SMOOTH = 4
+    SINGULAR = 5
+    EXACT = 6
+
+
+class Read(NamedTuple):
+    """How backward reads one saved tensor."""
+
+    use: Use
+    #: :attr:`Use.REGION`: the constants it is compared with.
+    thresholds: tuple[float, ...] = ()
+    #: For a pointwise op's input read only through its derivative: what to store instead.
+    derivative: PointwiseDerivative | None = None
+    #: Why it is :attr:`Use.EXACT`, :attr:`Use.SINGULAR` or :attr:`Use.SMOOTH`: the aten op
+    #: (or ``"untraced"``) that made it so.
+    reason: str | None = None
+
+
+_EXACT = lambda reason: Read(Use.EXACT, reason=reason)  # noqa: E731
+
+# --------------------------------------------------------------------------- the aten algebra
+# How each aten op carries a saved tensor's degree from its arguments to its result. Ops are
+# named by their overload packet; what is not here is read as SINGULAR (the strict side of
+# what an aten kernel can do with a float: aten checks its indices, so nothing is EXACT).
+
+# Only the shape or dtype of these arguments is read.
+_SHAPE_ONLY = frozenset(
+    {"full_like", "zeros_like", "ones_like", "empty_like", "rand_like", "randn_like", "new_zeros", "new_ones",
+     "new_empty", "new_full", "empty_strided", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
+     "size", "stride", "isnan", "isinf", "isfinite", "isposinf", "isneginf", "fill", "zero", "scalar_tensor"}
+)
+# Backward kernels that read some arguments for their shape alone (by schema name).
+_SHAPE_ONLY_ARGUMENTS = {
+    "max_pool2d_with_indices_backward": {"self"},
+    "max_pool3d_with_indices_backward": {"self"},
+    "avg_pool2d_backward": {"self"},
+    "avg_pool3d_backward": {"self"},
+    "_adaptive_avg_pool2d_backward": {"self"},
+    "_adaptive_avg_pool3d_backward": {"self"},
+    "adaptive_max_pool2d_backward": {"self"},
+    "adaptive_max_pool3d_backward": {"self"},
+    "nll_loss_backward": {"self"},
+    "nll_loss2d_backward": {"self"},
+    "fractional_max_pool2d_backward": {"self"},
+    "max_unpool2d": set(),
+}
+# Linear in every tensor argument: the result's degree is the largest of theirs.
+_LINEAR = frozenset(
+    {"alias", "view", "_unsafe_view", "reshape", "_reshape_alias", "permute", "transpose", "t", "expand",
+     "squeeze", "unsqueeze", "slice", "select", "clone", "contiguous", "flip", "roll", "repeat", "narrow",
+     "unfold", "diagonal", "diag_embed", "as_strided", "constant_pad_nd", "neg", "sum", "mean", "cumsum",
+     "_to_copy", "convert_element_type", "detach", "lift_fresh_copy", "index_select", "gather", "index",
+     "slice_scatter", "select_scatter", "diagonal_scatter", "as_strided_scatter", "cat", "stack", "split",
+     "split_with_sizes", "unbind", "chunk", "copy", "copy_", "masked_fill", "index_put", "index_add",
+     "scatter_add", "scatter", "add", "sub", "rsub", "where", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+     "avg_pool2d_backward", "avg_pool3d_backward", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d",
+     "_adaptive_avg_pool2d_backward", "_adaptive_avg_pool3d_backward", "upsample_nearest1d",
+     "upsample_nearest2d", "upsample_nearest3d", "upsample_bilinear2d", "upsample_linear1d",
+     "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_nearest_exact2d", "reflection_pad1d",
+     "reflection_pad2d", "reflection_pad3d", "replication_pad1d", "replication_pad2d", "replication_pad3d",
+     "im2col", "col2im", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "tril", "triu", "trace",
+     "sum_to_size", "expand_copy", "view_copy", "permute_copy", "squeeze_copy", "unsqueeze_copy", "t_copy",
+     "transpose_copy", "alias_copy", "slice_copy", "select_copy", "unbind_copy", "split_copy",
+     "embedding_dense_backward", "max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward",
+     "adaptive_max_pool2d_backward", "adaptive_max_pool3d_backward", "nll_loss_backward",
+     "nll_loss2d_backward", "index_copy", "masked_scatter", "put", "take", "movedim", "real", "imag",
+     "view_as_real", "view_as_complex", "resolve_conj", "resolve_neg", "conj", "_conj", "conj_physical",
+     "nan_to_num", "prod_backward", "_pad_packed_sequence", "_pack_padded_sequence_backward", "unsafe_split",
+     "fft_r2c", "fft_c2r", "fft_c2c", "_fft_r2c", "_fft_c2r", "_fft_c2c", "block_diag", "renorm_backward",
+     "lerp_scalar", "clone_preserve_strides", "repeat_interleave", "_index_put_impl", "index_fill",
+     "new_empty_strided", "_local_scalar_dense", "zeros", "ones", "full", "empty", "arange", "linspace"}
+)
+# Products: the result's degree is the sum of the multiplied arguments' degrees.
+_BILINEAR = frozenset({"mul", "mm", "bmm", "matmul", "dot", "vdot", "mv", "outer", "ger", "convolution",
+                       "_convolution", "cross", "kron", "cumprod_backward", "_weight_int8pack_mm"})
+# ``bias + a @ b``: the first argument added, the next two multiplied.
+_ADD_PRODUCT = frozenset({"addmm", "baddbmm", "addbmm", "addmv", "addr", "addcmul"})
+# Comparisons: a REGION read against a Python constant; with another tensor, an EXACT one.
+_COMPARISONS = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "maximum", "minimum", "fmax", "fmin"})
+_ORDER_WITH_CONSTANT = frozenset({"sign", "sgn", "signbit", "heaviside"})
+# Ops whose results jump with their argument, so that a rounded argument changes them by a
+# whole step: read exactly.
+_DISCONTINUOUS = frozenset({"floor", "ceil", "round", "trunc", "fix", "floor_divide", "remainder", "fmod", "frac"})
+# Nonlinear and bounded in slope where their argument is finite.
+_SMOOTH = frozenset(
+    {"exp", "exp2", "expm1", "sigmoid", "tanh", "erf", "erfc", "sin", "cos", "sinh", "cosh", "atan", "atan2",
+     "abs", "softplus", "elu", "gelu", "silu", "mish", "hardtanh", "hardsigmoid", "hardswish", "relu",
+     "leaky_relu", "threshold", "clamp", "clamp_min", "clamp_max", "amax", "amin", "max", "min", "sort",
+     "topk", "logsumexp", "_softmax", "_log_softmax", "softmax", "log_softmax", "cummax", "cummin",
+     "logcumsumexp", "_log_softmax_backward_data", "_softmax_backward_data", "sinc", "erfcx", "prelu",
+     "_prelu_kernel", "log_sigmoid_forward", "glu", "hypot", "logaddexp", "logaddexp2", "median", "nanmedian",
+     "kthvalue", "mode", "_cdist_forward", "cdist", "norm", "linalg_vector_norm", "special_erfcx",
+     "special_ndtr", "native_dropout_backward", "lerp", "copysign", "nextafter", "clamp_tensor",
+     "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool2d", "adaptive_max_pool3d"}
+)
+# Backward kernels that aten does not decompose, by schema argument name.
+_ATTENTION_SCORES = frozenset({"query", "key", "attn_bias", "attn_mask", "logsumexp"})
+_RECURRENT_BACKWARD = frozenset({"mkldnn_rnn_layer_backward", "_cudnn_rnn_backward", "miopen_rnn_backward",
+                                 "_thnn_fused_lstm_cell_backward_impl", "_thnn_fused_lstm_cell_backward",
+                                 "_thnn_fused_gru_cell_backward", "lstm_mps_backward", "mkldnn_rnn_backward"})
+_CONVOLUTION_BACKWARD = frozenset({"convolution_backward", "mkldnn_convolution_backward",
+                                   "cudnn_convolution_backward", "_slow_conv2d_backward",
+                                   "slow_conv_transpose2d_backward", "convolution_backward_overrideable"})
+# Namespaces whose ops are aten's own or this module's markers.
+_ATEN_NAMESPACES = frozenset({"aten", "prims"})
+
+
+def _name(target) -> str:
+    """An aten op's name, its in-place form read as the op (``masked_fill_`` as ``masked_fill``)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    name = target.overloadpacket.__name__
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
+def _schema_names(target) -> list[str]:
+    return [a.name for a in target._schema.arguments]
+
+
+def _arguments(node: fx.Node) -> list[tuple[str | None, Any]]:
+    """``(schema name, value)`` of each argument of an aten call node, keywords included."""
+    target = node.target
+    names = _schema_names(target) if isinstance(target, torch._ops.OpOverload) else []
+    out = [(names[i] if i < len(names) else None, a) for i, a in enumerate(node.args)]
+    out.extend(node.kwargs.items())
+    return out
+
+
+def _is_float(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in val)
+    return isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex())
+
+
+class _Walk:
+    """One forward pass over a graph from a saved tensor's node: degrees and what was seen."""
+
+    def __init__(self, target: fx.Node, tangents: Iterable[fx.Node] = ()):
+        self.degree: dict[fx.Node, int] = {target: 1}
+        #: Every node computed from the saved tensor, masks of it included (degree 0).
+        self.reached: list[fx.Node] = []
+        self.worst = Use.NONE
+        self.reason: str | None = None
+        self.thresholds: set[float] = set()
+        self.compared = False
+        self.tangents = set(tangents)
+        seen = {target}
+        for node in target.graph.nodes:
+            if node.op != "call_function" or node is target or not any(a in seen for a in node.all_input_nodes):
+                continue
+            seen.add(node)
+            self.reached.append(node)
+            degree = self._step(node)
+            if degree:
+                self.degree[node] = degree
+
+    def _record(self, use: Use, node: fx.Node) -> None:
+        if use > self.worst:
+            self.worst, self.reason = use, _name(node.target)
+
+    def _deg(self, value: Any) -> int:
+        if isinstance(value, fx.Node):
+            return self.degree.get(value, 0)
+        if isinstance(value, (list, tuple)):
+            return max((self._deg(v) for v in value), default=0)
+        return 0
+
+    def _step(self, node: fx.Node) -> int:
+        target = node.target
+        if target is operator.getitem:
+            return self._deg(node.args[0])
+        if not isinstance(target, torch._ops.OpOverload):
+            self._record(Use.EXACT, node)
+            return 1
+        if target.namespace not in _ATEN_NAMESPACES:
+            if target.namespace == _MARKER_NAMESPACE:
+                return 0  # another saved tensor's read, or a gradient
+            self._record(Use.EXACT, node)  # an op outside aten: what it does is unknown
+            return 1
+        name = _name(target)
+        arguments = _arguments(node)
+        if name in _SHAPE_ONLY:
+            return 0
+        if not _is_float(node):
+            return self._step_to_integer(node, name, arguments)
+        shape_only = _SHAPE_ONLY_ARGUMENTS.get(name, ())
+        degrees = [0 if n in shape_only else self._deg(a) for n, a in arguments]
+        if name in _LINEAR:
+            return max(degrees)
+        if name in _BILINEAR:
+            return sum(degrees)
+        if name in _ADD_PRODUCT:
+            return max(degrees[0], sum(degrees[1:3]) if len(degrees) >= 3 else 0)
+        if name in _CONVOLUTION_BACKWARD:
+            return degrees[0] + max(degrees[1:3], default=0)
+        if name == "div":
+            if len(degrees) > 1 and degrees[1]:
+                self._record(Use.SINGULAR, node)
+                return 1
+            if node.kwargs.get("rounding_mode") is not None or len(node.args) > 2:
+                self._record(Use.EXACT, node)
+            return degrees[0]
+        if name in ("pow", "float_power", "square"):
+            return self._step_power(node, name, degrees)
+        if name in _COMPARISONS:  # maximum and minimum of two floats: an order and a value
+            self.compared = True
+            self._record(Use.SMOOTH, node)
+            return max(degrees)
+        if name in _ORDER_WITH_CONSTANT:
+            self.thresholds.add(0.0)
+            return 0
+        if name in _DISCONTINUOUS:
+            self._record(Use.EXACT, node)
+            return 1
+        if name in _SMOOTH:
+            self._record(Use.SMOOTH, node)
+            return 1
+        if "attention" in name and "backward" in name:
+            for (arg_name, value), degree in zip(arguments, degrees):
+                if degree and arg_name in _ATTENTION_SCORES:
+                    self._record(Use.SMOOTH, node)
+            return max(degrees)
+        if name in _RECURRENT_BACKWARD:
+            return 2 * max(degrees)
+        self._record(Use.SINGULAR, node)  # an aten op not described here
+        return 1
+
+    def _step_to_integer(self, node: fx.Node, name: str, arguments) -> int:
+        """A node whose result is boolean or integer, computed from the saved tensor."""
+        if not any(self._deg(a) for _, a in arguments):
+            return 0  # of masks of it, already accounted for
+        if name in _COMPARISONS and len(arguments) >= 2:
+            other = arguments[1][1]
+            if isinstance(other, (int, float)) and not isinstance(other, bool):
+                self.thresholds.add(float(other))
+                return 0
+            self._record(Use.EXACT, node)  # compared with another value: x == amax(x)
+            return 0
+        if name in _ORDER_WITH_CONSTANT:
+            self.thresholds.add(0.0)
+            return 0
+        self._record(Use.EXACT, node)  # cast to an integer, an argmax, a sort's indices
+        return 0
+
+    def _step_power(self, node: fx.Node, name: str, degrees: list[int]) -> int:
+        if name == "square":
+            return 2 * degrees[0]
+        base, exponent = node.args[0], node.args[1] if len(node.args) > 1 else None
+        if isinstance(base, (int, float)):  # scalar ** x: an exponential of x
+            self._record(Use.SMOOTH, node)
+            return 1
+        if isinstance(exponent, (int, float)) and float(exponent).is_integer() and exponent >= 0:
+            return degrees[0] * int(exponent)
+        if isinstance(exponent, fx.Node) and self._deg(exponent) and not self._deg(base):
+            self._record(Use.SMOOTH, node)
+            return 1
+        self._record(Use.SINGULAR, node)  # a root, a negative power, or a tensor exponent
+        return 1
+
+    def result(self, outputs: Iterable[Any]) -> Read:
+        degree = max((self._deg(o) for o in outputs), default=0)
+        use = self.worst
+        if degree >= 2:
+            use = max(use, Use.QUADRATIC)
+        elif degree == 1:
+            use = max(use, Use.LINEAR)
+        if self.thresholds and use >= Use.LINEAR:
+            # Compared and read for its value: rounding across a threshold switches the value read.
+            if Use.SMOOTH > use:
+                use, self.reason = Use.SMOOTH, "comparison"
+        elif self.thresholds:
+            use = max(use, Use.REGION)
+        thresholds = tuple(sorted(self.thresholds)) if use is Use.REGION else ()
+        reason = self.reason if use >= Use.SMOOTH else None
+        return Read(use, thresholds, None, reason)
+
+
+def classify(target: fx.Node, tangents: Iterable[fx.Node] = ()) -> Read:
+    """How the graph of ``target`` reads it, from ``target`` to the graph's outputs.
+
+    ``target`` is a saved tensor's node in an aten graph (a read marker in a traced
+    backward, or a placeholder of a compiled backward); ``tangents`` are the nodes of the
+    incoming gradients, which a pointwise derivative is checked against.
+    """
+    tangents = list(tangents)
+    walk = _Walk(target, tangents)
+    outputs = [n for n in target.graph.nodes if n.op == "output"]
+    read = walk.result(pytree.tree_leaves([o.args for o in outputs]))
+    if Use.QUADRATIC <= read.use <= Use.SINGULAR and not walk.compared:
+        derivative = PointwiseDerivative.find(target, tangents, walk)
+        if derivative is not None:
+            return Read(Use.LINEAR, derivative=derivative)
+    return read
+
+
+# ------------------------------------------------------------------- pointwise derivatives
+# The interval on which a derivative's monotone branch is searched, and its sampling. A
+# derivative whose values still move beyond half of it is not bounded: not stored this way.
+_BRANCH_HALF_WIDTH = 32.0
+_BRANCH_SAMPLES = 1 << 14
+_LEVEL_TOLERANCE = 1e-4  # of the derivative's span, on the outer half of the interval
+_STEP_TOLERANCE = 0.02  # of its span, between two samples: a larger step is a jump
+
+
+class PointwiseDerivative:
+    """The input of a pointwise op whose gradient is ``grad * h(x)``, stored as ``h(x)``.
+
+    Backward is then linear in what is stored, so stochastic rounding leaves the gradient
+    unbiased at any bits. At unpack, the input on ``h``'s monotone branch whose derivative
+    is the decoded value is handed back (a table of ``h`` over the branch, inverted by
+    linear interpolation), so backward, which evaluates ``h`` again, reads the decoded
+    derivative. Decoded values are first clamped into ``h``'s range (the codec's grid ends
+    are rounded outward). The same object serves :meth:`store` and :meth:`restore` as a
+    substitute for :class:`~lightning_act.capture.decide.Decision`.
+    """
+
+    def __init__(self, derivative: fx.GraphModule, xs: torch.Tensor, hs: torch.Tensor):
+        self._h = derivative
+        self._xs, self._hs = xs, hs  # float64 on the CPU, hs ascending
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def find(target: fx.Node, tangents: list[fx.Node], walk: _Walk) -> PointwiseDerivative | None:
+        """The derivative of the pointwise op whose backward reads ``target``, if it is one."""
+        found = _pointwise_backward(target, tangents, walk)
+        return None if found is None else _branch(*found)
+
+    def store(self, x: torch.Tensor) -> tuple[torch.Tensor, PointwiseDerivative]:
+        """What to encode in place of ``x``, and what restores it at unpack."""
+        with torch.no_grad():
+            return self._h(x, torch.ones((), dtype=x.dtype, device=x.device)), self
+
+    def restore(self, decoded: torch.Tensor) -> torch.Tensor:
+        key = (decoded.device, decoded.dtype)
+        if key not in self._tables:
+            self._tables[key] = (self._hs.to(decoded.device, torch.float32), self._xs.to(decoded.device, torch.float32))
+        hs, xs = self._tables[key]
+        h = decoded.float().clamp_(hs[0], hs[-1])
+        right = torch.searchsorted(hs, h).clamp_(1, hs.numel() - 1)
+        left = right - 1
+        h_left, h_right = hs[left], hs[right]
+        weight = ((h - h_left) / (h_right - h_left).clamp_min(torch.finfo(torch.float32).tiny)).clamp_(0, 1)
+        return torch.lerp(xs[left], xs[right], weight).to(decoded.dtype)
+
+
+# Ops that copy or select values element by element without the pointwise tag.
+_ELEMENTWISE_COPIES = frozenset({"alias", "clone", "detach", "where"})
+
+
+def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk):
+    """``(x, grad) -> grad * h(x)`` as a graph of its own, with the dtype it computes in, when
+    every node of the backward computed from ``target`` is a pointwise op of ``target``, one
+    gradient and scalar constants, ending in one output; None otherwise."""
+    val = target.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not tangents:
+        return None
+    outputs = pytree.tree_leaves([n.args for n in target.graph.nodes if n.op == "output"])
+    results = [o for o in outputs if isinstance(o, fx.Node) and o in walk.degree]
+    if len(results) != 1:
+        return None
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {target: graph.placeholder("x")}
+    grad = graph.placeholder("grad")
+    used_tangents = set()
+
+    def pointwise(node: fx.Node) -> bool:
+        out = node.meta.get("val")
+        return (
+            isinstance(node.target, torch._ops.OpOverload)
+            and (torch.Tag.pointwise in node.target.tags or _name(node.target) in _ELEMENTWISE_COPIES)
+            and isinstance(out, torch.Tensor)
+            and out.shape == val.shape
+        )
+
+    def bring(node: fx.Node) -> bool:
+        """Map an input from outside the reached nodes: the gradient, a scalar constant, or
+        a pointwise function of those."""
+        if node in env:
+            return True
+        if node in tangents:
+            used_tangents.add(node)
+            env[node] = grad
+            return True
+        if node.op != "call_function" or node in walk.reached:
+            return False
+        constant = not node.all_input_nodes and isinstance(node.target, torch._ops.OpOverload)
+        if not constant and not (pointwise(node) and all(bring(a) for a in node.all_input_nodes)):
+            return False
+        env[node] = graph.node_copy(node, env.__getitem__)
+        return True
+
+    for node in walk.reached:
+        if not pointwise(node):
+            return None
+        for arg in node.all_input_nodes:
+            arg_val = arg.meta.get("val")
+            if not bring(arg) or (isinstance(arg_val, torch.Tensor) and arg_val.dim() and arg_val.shape != val.shape):
+                return None
+        env[node] = graph.node_copy(node, env.__getitem__)
+    if len(used_tangents) != 1 or results[0] not in env:
+        return None
+    graph.output(env[results[0]])
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    # Linear in the gradient and nothing else, grad * h(x): checked on random values.
+    generator = torch.Generator().manual_seed(0)  # not the user's random stream
+    x = torch.randn(256, dtype=torch.float64, generator=generator) * 4
+    g = torch.randn(256, dtype=torch.float64, generator=generator)
+    try:
+        with torch.no_grad():
+            h = gm(x, torch.ones((), dtype=torch.float64))
+            dtype = h.dtype
+            tolerance = 8 * torch.finfo(dtype).eps
+            for scale in (1.0, -3.0):
+                ok = torch.allclose(gm(x, g * scale).double(), (g * scale * h.double()).to(dtype).double(),
+                                    rtol=tolerance, atol=tolerance)
+                if not ok:
+                    return None
+    except Exception:  # an op that does not run in float64 on the CPU: not this case
+        return None
+    return gm, dtype
+
+
+def _branch(gm: fx.GraphModule, dtype: torch.dtype) -> PointwiseDerivative | None:
+    """The monotone branch of ``h`` that reaches all its values, if ``h`` levels off on both
+    sides and has no jump on that branch."""
+    xs = torch.linspace(-_BRANCH_HALF_WIDTH, _BRANCH_HALF_WIDTH, _BRANCH_SAMPLES + 1, dtype=torch.float64)
+    with torch.no_grad():
+        hs = gm(xs, torch.ones((), dtype=torch.float64)).double()
+    if not torch.isfinite(hs).all():
+        return None
+    low, high = hs.min().item(), hs.max().item()
+    span = high - low
+    if span <= 0:
+        return None  # a constant derivative: backward does not read the values
+    level = max(_LEVEL_TOLERANCE * span, 4 * torch.finfo(dtype).eps * max(abs(low), abs(high)))
+    outer = xs.abs() >= _BRANCH_HALF_WIDTH / 2
+    for side, end in ((outer & (xs < 0), 0), (outer & (xs > 0), -1)):
+        if (hs[side] - hs[end]).abs().max().item() > level:
+            return None  # still moving: unbounded, or bounded far out
+    start, stop = sorted((int(hs.argmin()), int(hs.argmax())))
+    branch_x, branch_h = xs[start : stop + 1], hs[start : stop + 1]
+    if branch_h[0] > branch_h[-1]:
+        branch_x, branch_h = branch_x.flip(0), branch_h.flip(0)
+    steps = branch_h.diff()
+    if (steps < -level).any() or steps.max().item() > _STEP_TOLERANCE * span:
+        return None  # not monotone, or a jump that rounding could land inside
+    return PointwiseDerivative(gm, branch_x, torch.cummax(branch_h, 0).values)
+
+
+# ------------------------------------------------------------------------ eager: trace a call
+_MARKER_NAMESPACE = "lightning_act_reads"
+_marker_library = torch.library.Library(_MARKER_NAMESPACE, "DEF")
+_marker_library.define("read(Tensor t, int slot) -> Tensor")
+
+
+@torch.library.impl(_marker_library, "read", "CompositeExplicitAutograd")
+def _read(t: torch.Tensor, slot: int) -> torch.Tensor:
+    return t.clone()
+
+
+@torch.library.register_fake(f"{_MARKER_NAMESPACE}::read", lib=_marker_library)
+def _read_fake(t: torch.Tensor, slot: int) -> torch.Tensor:
+    return torch.empty_like(t)
+
+
+_TANGENT_SLOTS = -1  # tangents are marked with slots -1, -2, ...
+
+
+class _Traced(NamedTuple):
+    reads: tuple[Read, ...]
+    #: (dtype, rank) of each traced save, checked against the real ones.
+    saves: tuple[tuple[torch.dtype, int], ...]
+
+
+_cache: dict[Any, _Traced | None] = {}
+_cache_lock = threading.Lock()
+
+
+def _signature(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("T", value.dtype, value.dim(), tuple(s == 1 for s in value.shape), value.requires_grad,
+                value.layout, value.device.type)
+    if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _signature(v)) for k, v in value.items())
+    return type(value).__qualname__  # a module, a generator: its type alone
+
+
+def call_reads(func: Callable, args: tuple, kwargs: dict) -> tuple[tuple[Read, ...], tuple] | None:
+    """How backward reads each tensor the call ``func(*args, **kwargs)`` saves, in the order it
+    saves them, with the ``(dtype, rank)`` of each; None if the call cannot be traced."""
+    try:
+        key = (func, _signature(args), _signature(kwargs))
+        hash(key)
+    except TypeError:
+        return None
+    with _cache_lock:
+        if key in _cache:
+            traced = _cache[key]
+            return None if traced is None else (traced.reads, traced.saves)
+    traced = _trace(func, args, kwargs)
+    with _cache_lock:
+        _cache[key] = traced
+    return None if traced is None else (traced.reads, traced.saves)
+
+
+@functools.cache
+def _backward_decompositions() -> dict:
+    """Torch's core decompositions of backward kernels (``native_layer_norm_backward``,
+    ``silu_backward``, ``_softmax_backward_data``) into the aten ops they compute with. Forward
+    ops are left whole: what a decomposition of one returns may differ from what the kernel
+    returns beside its result (a flash attention's logsumexp), and autograd saves those."""
+    from torch._decomp import core_aten_decompositions
+
+    return {op: fn for op, fn in core_aten_decompositions().items() if "backward" in op.name()}
+
+
+def _trace(func: Callable, args: tuple, kwargs: dict) -> _Traced | None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+    if any(flat[i].layout != torch.strided or flat[i].is_nested for i in positions):
+        return None
+    requires = [flat[i].requires_grad for i in positions]
+    saves: list[tuple[torch.dtype, int]] = []
+
+    def joint(*tensors):
+        saves.clear()
+        values, leaves = list(flat), []
+        for i, t, grad in zip(positions, tensors, requires):
+            if grad:
+                leaf = t.detach().requires_grad_(True)
+                leaves.append(leaf)
+                t = leaf.clone()  # not a leaf, so in-place calls may write it
+            values[i] = t
+        call_args, call_kwargs = pytree.tree_unflatten(values, spec)
+
+        def pack(saved: torch.Tensor):
+            saves.append((saved.dtype, saved.dim()))
+            return len(saves) - 1, saved
+
+        def unpack(packed):
+            slot, saved = packed
+            return torch.ops.lightning_act_reads.read(saved, slot)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = func(*call_args, **call_kwargs)
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+        if not outs or not leaves:
+            return ()
+        tangents = [torch.ops.lightning_act_reads.read(torch.ones_like(o), _TANGENT_SLOTS - k)
+                    for k, o in enumerate(outs)]
+        return torch.autograd.grad(outs, leaves, tangents, allow_unused=True)
+
+    rng = torch.random.get_rng_state()
+    try:
+        with torch.enable_grad():
+            gm = make_fx(joint, tracing_mode="fake", decomposition_table=_backward_decompositions())(
+                *[flat[i] for i in positions]
+            )
+    except Exception:
+        return None
+    finally:
+        torch.random.set_rng_state(rng)
+    markers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.lightning_act_reads.read.default]
+    tangents = [n for n in markers if n.args[1] <= _TANGENT_SLOTS]
+    slots: dict[int, list[fx.Node]] = {}
+    for n in markers:
+        if n.args[1] >= 0:
+            slots.setdefault(n.args[1], []).append(n)
+    reads = []
+    for slot in range(len(saves)):
+        nodes = slots.get(slot, [])
+        if not nodes:
+            reads.append(Read(Use.NONE))  # saved and never read in backward
+        elif len(nodes) == 1:
+            reads.append(classify(nodes[0], tangents))
+        else:  # read twice (a double backward): the stricter
+            reads.append(max((classify(n, tangents) for n in nodes), key=lambda r: r.use))
+    return _Traced(tuple(reads), tuple(saves))
