@@ -31,8 +31,8 @@ QUADRATIC  multiplies two uses of it (a normalisation's input,     4 bits or mor
            a recurrent op's gates, ``y (1 - y)``)
 SMOOTH     puts it through a smooth nonlinearity (exp, sigmoid,    8 bits or more; a pointwise
            erf, clamps) or compares it and reads its value          derivative is stored instead
-SINGULAR   divides by it, or takes its log, root or a power        8 bits, decoded inside the
-           below 1                                                  range of the original
+SINGULAR   divides by it, or takes its log, root or a power        exact
+           below 1, or an aten op not described here
 EXACT      compares it with another value (``amax``'s              exact
            ``x == result``), casts it to an integer or rounds it,
            passes it to an op outside aten (``torchvision::*``),
@@ -164,6 +164,7 @@ _SMOOTH = frozenset(
      "special_ndtr", "native_dropout_backward", "lerp", "copysign", "nextafter", "clamp_tensor",
      "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool2d", "adaptive_max_pool3d"}
 )
+_EXPONENTIALS = frozenset({"exp", "exp2", "expm1"})
 # Backward kernels that aten does not decompose, by schema argument name.
 _ATTENTION_SCORES = frozenset({"query", "key", "attn_bias", "attn_mask", "logsumexp"})
 _RECURRENT_BACKWARD = frozenset({"mkldnn_rnn_layer_backward", "_cudnn_rnn_backward", "miopen_rnn_backward",
@@ -207,8 +208,10 @@ def _is_float(node: fx.Node) -> bool:
 class _Walk:
     """One forward pass over a graph from a saved tensor's node: degrees and what was seen."""
 
-    def __init__(self, target: fx.Node, tangents: Iterable[fx.Node] = ()):
+    def __init__(self, target: fx.Node, tangents: Iterable[fx.Node] = (), others: Iterable[fx.Node] = ()):
         self.degree: dict[fx.Node, int] = {target: 1}
+        #: Every node computed from another saved tensor.
+        self.from_others = _reached_from(others)
         #: Every node computed from the saved tensor, masks of it included (degree 0).
         self.reached: list[fx.Node] = []
         self.worst = Use.NONE
@@ -285,7 +288,12 @@ class _Walk:
             self._record(Use.EXACT, node)
             return 1
         if name in _SMOOTH:
-            self._record(Use.SMOOTH, node)
+            if name in _EXPONENTIALS and any(a in self.from_others for a in node.all_input_nodes):
+                # exp(x - result): the difference of two rounded values, each far larger than
+                # it, exponentiated (logsumexp's and logcumsumexp's backward).
+                self._record(Use.SINGULAR, node)
+            else:
+                self._record(Use.SMOOTH, node)
             return 1
         if "attention" in name and "backward" in name:
             for (arg_name, value), degree in zip(arguments, degrees):
@@ -332,7 +340,11 @@ class _Walk:
     def result(self, outputs: Iterable[Any]) -> Read:
         degree = max((self._deg(o) for o in outputs), default=0)
         use = self.worst
-        if degree >= 2:
+        if degree >= 3:
+            # Cubed or more (a normalisation's 1 / std, read as rstd**3): its rounding error
+            # is multiplied into every value at least three times over.
+            use, self.reason = max(use, Use.SINGULAR), self.reason or "a power of three or more"
+        elif degree >= 2:
             use = max(use, Use.QUADRATIC)
         elif degree == 1:
             use = max(use, Use.LINEAR)
@@ -347,15 +359,27 @@ class _Walk:
         return Read(use, thresholds, None, reason)
 
 
-def classify(target: fx.Node, tangents: Iterable[fx.Node] = ()) -> Read:
+def _reached_from(sources: Iterable[fx.Node]) -> set[fx.Node]:
+    reached = set(sources)
+    if not reached:
+        return reached
+    graph = next(iter(reached)).graph
+    for node in graph.nodes:
+        if node not in reached and any(a in reached for a in node.all_input_nodes):
+            reached.add(node)
+    return reached
+
+
+def classify(target: fx.Node, tangents: Iterable[fx.Node] = (), others: Iterable[fx.Node] = ()) -> Read:
     """How the graph of ``target`` reads it, from ``target`` to the graph's outputs.
 
     ``target`` is a saved tensor's node in an aten graph (a read marker in a traced
     backward, or a placeholder of a compiled backward); ``tangents`` are the nodes of the
-    incoming gradients, which a pointwise derivative is checked against.
+    incoming gradients, which a pointwise derivative is checked against; ``others`` are the
+    other saved tensors' nodes.
     """
     tangents = list(tangents)
-    walk = _Walk(target, tangents)
+    walk = _Walk(target, tangents, others)
     outputs = [n for n in target.graph.nodes if n.op == "output"]
     read = walk.result(pytree.tree_leaves([o.args for o in outputs]))
     if Use.QUADRATIC <= read.use <= Use.SINGULAR and not walk.compared:
@@ -383,8 +407,11 @@ class PointwiseDerivative:
     linear interpolation), so backward, which evaluates ``h`` again, reads the decoded
     derivative. Decoded values are first clamped into ``h``'s range (the codec's grid ends
     are rounded outward). The same object serves :meth:`store` and :meth:`restore` as a
-    substitute for :class:`~lightning_act.capture.decide.Decision`.
+    substitute for :class:`~lightning_act.capture.decide.Decision`. What it stores is not
+    the input, so it serves this op's save alone.
     """
+
+    for_its_op_alone = True
 
     def __init__(self, derivative: fx.GraphModule, xs: torch.Tensor, hs: torch.Tensor):
         self._h = derivative
@@ -649,8 +676,7 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> _Traced | None:
         nodes = slots.get(slot, [])
         if not nodes:
             reads.append(Read(Use.NONE))  # saved and never read in backward
-        elif len(nodes) == 1:
-            reads.append(classify(nodes[0], tangents))
         else:  # read twice (a double backward): the stricter
-            reads.append(max((classify(n, tangents) for n in nodes), key=lambda r: r.use))
+            others = [n for other, marked in slots.items() if other != slot for n in marked]
+            reads.append(max((classify(n, tangents, others) for n in nodes), key=lambda r: r.use))
     return _Traced(tuple(reads), tuple(saves))

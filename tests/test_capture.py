@@ -279,7 +279,7 @@ def test_the_same_view_is_stored_again_for_a_later_save_that_needs_more_bits():
     stored = sorted((slot.op, slot.bits) for slot in capture.report.slots.values() if slot.shape == (4, 16, 96))
     # x for pow at 2 bits and for mul at 4; the normalised x, which the weight scales, at 2.
     assert stored == [("mul", 2), ("mul", 4), ("pow", 2)]
-    # One save shares a copy: the factor, which rsqrt saves (at 8 bits) and then mul.
+    # One save shares a copy: the factor, which rsqrt saves (exact: backward cubes it) and then mul.
     assert capture.report.counts.get("deduplicated", 0) == 1
 
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_act import ActivationCapture, CompressionConfig
-from lightning_act.capture.decide import Decision, InsideRange, Kind, decide, floor_bits, read_of, source_parameter
+from lightning_act.capture.decide import Decision, Kind, decide, floor_bits, read_of, source_parameter
 from lightning_act.capture.records import Layout
 from lightning_act.codecs import GroupQuantCodec
 from lightning_act.optrack import OpTracker, TrackedCall
@@ -341,34 +341,38 @@ def test_one_byte_buffers_without_a_bound_are_kept_as_they_are():
 
 
 @pytest.mark.parametrize(
-    ("func", "floors", "inside_range"),
+    ("func", "kinds"),
     [
-        (lambda a, b: a / b, [8, 1], True),  # the denominator, then the numerator (linear)
-        (lambda a, b: torch.log(b), [8], True),
-        (lambda a, b: torch.log1p(b), [8], True),
-        (lambda a, b: torch.asin(b / 2), [8], True),
-        (lambda a, b: b.pow(2), [1], False),  # RMSNorm's square: backward 2x, linear
-        (lambda a, b: b.pow(-0.5), [8], True),
-        (lambda a, b: b.sqrt(), [8], True),  # its output: backward grad / (2 out)
-        (lambda a, b: 2.0**b, [1, 1], False),  # its output: backward log(2) out, linear
-        (lambda a, b: a * b, [1, 1], False),
+        (lambda a, b: a / b, ["keep", 1]),  # the denominator, then the numerator (linear)
+        (lambda a, b: torch.log(b), ["keep"]),
+        (lambda a, b: torch.log1p(b), ["keep"]),
+        (lambda a, b: torch.asin(b / 2), ["keep"]),  # near the edge of its domain
+        (lambda a, b: b.pow(2), [1]),  # RMSNorm's square: backward 2x, linear
+        (lambda a, b: b.pow(-0.5), ["keep"]),
+        (lambda a, b: b.sqrt(), ["keep"]),  # its output: backward grad / (2 out)
+        (lambda a, b: 2.0**b, [1, 1]),  # its output: backward log(2) out, linear
+        (lambda a, b: torch.logsumexp(b, 1), ["keep", "statistic"]),  # exp(x - result)
+        (lambda a, b: a * b, [1, 1]),
     ],
 )
-def test_saves_backward_divides_by_or_takes_roots_of_get_the_nonlinear_floor(func, floors, inside_range):
+def test_saves_backward_divides_by_or_takes_roots_of_are_kept_exact(func, kinds):
     a, b = grad_input(64, 64), torch.rand(64, 64, requires_grad=True) + 0.5
     decisions = saves_of(func, a, b)
-    assert all(d.kind is Kind.QUANTIZE for d in decisions)
-    assert [d.min_bits for d in decisions] == floors
-    assert isinstance(decisions[0].substitute, InsideRange) is inside_range
+    assert [d.kind.value if d.kind in (Kind.KEEP, Kind.STATISTIC) else d.min_bits for d in decisions] == kinds
 
 
-def test_a_value_decoded_inside_its_range_never_crosses_a_domain_edge():
-    """asin's input near 1 at 8 bits: the codec's grid ends, rounded outward, reach past 1."""
+def test_minus_infinity_read_through_an_exponential_is_put_back():
+    """A masked log-softmax saves -inf where the mask is: the codec would decode its groups
+    as NaN; stored as a stand-in and a mask, the gradient stays finite and exact there."""
     torch.manual_seed(0)
-    x = (torch.rand(4096) * 2 - 1) * 0.9999
-    stored, bounds = InsideRange.store(x)
-    decoded = bounds.restore(GroupQuantCodec(256).pack(stored, 8, 0).unpack())
-    assert decoded.abs().max() <= x.abs().max()
+    logits = torch.randn(16, 64).masked_fill(torch.rand(16, 64) < 0.3, -torch.inf).requires_grad_()
+    grad = torch.randn(16, 64)
+    (exact,) = torch.autograd.grad(F.log_softmax(logits, -1), logits, grad)
+    capture = ActivationCapture(CompressionConfig(bits=8, min_numel=1))
+    with capture.capturing():
+        out = F.log_softmax(logits * 1.0, -1)
+    (noisy,) = torch.autograd.grad(out, logits, grad)
+    assert torch.isfinite(noisy).all() and ((noisy - exact).norm() / exact.norm()).item() < 0.05
 
 
 @pytest.mark.parametrize(

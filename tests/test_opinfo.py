@@ -46,7 +46,17 @@ ILL_CONDITIONED = {
     "linalg.matrix_norm": "singular gaps", "linalg.norm": "singular gaps", "nuclear_norm": "singular gaps",
     "linalg.cond": "condition number", "linalg.matrix_rank": "singular gaps", "cdist": "zero distances",
     "pdist": "zero distances", "nn.functional.pdist": "zero distances",
+    # Inputs of up to +-9 make logits of +-200: a saturated softmax, where rounding query and
+    # key by 1/255 of their range moves a logit by several units.
+    "nn.functional.scaled_dot_product_attention": "saturated softmax",
+    # Products of up to ten values of +-9 span eight orders of magnitude within one group, and
+    # backward reads each through its ratio to the input.
+    "cumprod": "products spanning orders of magnitude",
+    "scatter_reduce": "products spanning orders of magnitude",
 }
+# An exact gradient that is zero up to round-off (normalize over a dimension of one,
+# corrcoef of fewer than three observations) has no relative error to measure.
+ZERO_GRADIENT = 1e-4
 
 
 def _differentiable_ops():
@@ -60,7 +70,8 @@ def _case_id(op) -> str:
 def _gradients(op, sample, compress_bits: int | None):
     """The gradients of a fixed random projection of the op's outputs with respect to its float
     inputs, computed exactly or with every saved tensor compressed."""
-    leaves = [t for t in sample.input_and_args_and_kwargs_tensors() if isinstance(t, torch.Tensor) and t.requires_grad]
+    inputs = torch.utils._pytree.tree_leaves((sample.input, sample.args, sample.kwargs))
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     if not leaves:
         return None
 
@@ -84,7 +95,8 @@ def _gradients(op, sample, compress_bits: int | None):
             loss = run()
     if loss is None:
         return None
-    return torch.autograd.grad(loss, leaves, allow_unused=True)
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return [g.to_dense() if g is not None and g.layout != torch.strided else g for g in grads]
 
 
 def _relative_error(noisy, exact) -> float:
@@ -108,6 +120,7 @@ def _nonfinite_where_exact_is_finite(noisy, exact) -> bool:
 def check(op, bits: int) -> None:
     """Every sample of ``op``: no exception, no new non-finite value, and at 8 bits close."""
     samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=True))[:SAMPLES_PER_OP]
+    compared = 0
     for sample in samples:
         torch.manual_seed(0)
         try:
@@ -117,10 +130,14 @@ def check(op, bits: int) -> None:
         if exact is None:
             continue
         noisy = _gradients(op, sample, bits)  # must not raise
+        compared += 1
         assert not _nonfinite_where_exact_is_finite(noisy, exact), f"{_case_id(op)}: non-finite gradient"
-        if bits == 8 and op.name not in ILL_CONDITIONED:
+        zero = max((e.norm().item() for e in exact if e is not None), default=0.0) < ZERO_GRADIENT
+        if bits == 8 and op.name not in ILL_CONDITIONED and not zero:
             error = _relative_error(noisy, exact)
             assert error <= ERROR_AT_8_BITS, f"{_case_id(op)}: relative error {error:.3g} at 8 bits"
+    if not compared:
+        pytest.skip(f"{_case_id(op)}: no sample its exact backward differentiates")
 
 
 # The ops that broke a storage rule written from a list: equality between saved values, a

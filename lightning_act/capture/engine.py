@@ -392,6 +392,9 @@ class ActivationCapture:
     def _pack(self, t: torch.Tensor) -> Any:
         if self._paused or torch._C._current_graph_task_id() != -1 or torch.compiler.is_compiling():
             return t.detach()  # a detached alias, never t itself: returning t can leak it
+        if t.layout != torch.strided or t.is_nested:
+            self._count_uncounted(Outcome.KEPT)  # sparse, nested: no storage to key or codec to take it
+            return t.detach()
         module = self._stack[-1] if self._stack else OUTSIDE_MODULES
         ptr = t.untyped_storage().data_ptr()
         call = self._tracker.current_call()
@@ -422,7 +425,9 @@ class ActivationCapture:
             return shared
         if kind is Kind.KEEP or kind is Kind.STATISTIC:
             self._account(module, t, Outcome.KEPT if kind is Kind.KEEP else Outcome.STATISTIC, 0)
-            return t.detach()
+            kept = t.detach()
+            self._share(key, region, t, t, kept, module, op, decision)  # later saves need no copy
+            return kept
         dense = decision.layout.dense(t)
         _hold_until_read(t)
         if kind is Kind.QUANTIZE:
@@ -445,7 +450,9 @@ class ActivationCapture:
         """
         region = storage_region(t)
         where = region if region is not None else (t.storage_offset(), t.shape, t.stride())
-        for_its_op_alone = decision.kind is Kind.SIGN_MASK or decision.substitute is not None
+        for_its_op_alone = decision.kind is Kind.SIGN_MASK or (
+            decision.substitute is not None and decision.substitute.for_its_op_alone
+        )
         return (ptr, where, t.dtype, t._version, for_its_op_alone), region
 
     def _shared_copy(self, key: tuple, t: torch.Tensor, module: str, op: str | None, decision: Decision) -> Any:
