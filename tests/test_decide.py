@@ -306,8 +306,11 @@ def test_reduction_statistics_are_kept_exact():
     mean = x.mean(1, keepdim=True)  # computed by the op, 32 times smaller than its input
     assert decided(mean, call("layer_norm", x, (32,))).kind is Kind.STATISTIC
     # The op's own (small) input is an activation, not a statistic.
-    small = torch.randn(64, 2)
-    assert decided(small, call("layer_norm", small, (2,))).kind is Kind.QUANTIZE
+    small = torch.randn(64, 8)
+    assert decided(small, call("layer_norm", small, (8,))).kind is Kind.QUANTIZE
+    # Rows shorter than the smallest group cannot have groups of their own: kept exact.
+    tiny = torch.randn(64, 2)
+    assert decided(tiny, call("layer_norm", tiny, (2,))).kind is Kind.KEEP
     # Next to a large weight only, a small tensor is an activation too.
     weight = nn.Parameter(torch.randn(256, 2))
     out = torch.randn(64, 2)

@@ -584,6 +584,10 @@ def decide(
         if row is None and _is_channel_normalized(t, call, group_size):
             # Each channel one run, so that groups can stay within a channel.
             row, row_layout = t.numel() // t.shape[1], Layout.channel_major(t)
+        if row is not None and row < MIN_GROUP_SIZE:
+            # Rows too short for groups of their own: a group across rows would round a narrow
+            # row to noise that backward multiplies by its 1 / std. Exact, and small.
+            return Decision(Kind.KEEP, min_bits)
         row_group = None
         if row is not None and row % group_size:
             row_group, padded_row = _row_grouping(row, group_size, max(min_bits, 2))
