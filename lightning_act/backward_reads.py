@@ -87,7 +87,6 @@ class Read(NamedTuple):
     reason: str | None = None
 
 
-_EXACT = lambda reason: Read(Use.EXACT, reason=reason)  # noqa: E731
 
 # --------------------------------------------------------------------------- the aten algebra
 # How each aten op carries a saved tensor's degree from its arguments to its result. Ops are
