@@ -50,21 +50,18 @@ ILL_CONDITIONED = {
     # key by 1/255 of their range moves a logit by several units.
     "nn.functional.scaled_dot_product_attention": "saturated softmax",
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": "saturated softmax",
+    # The same through a mask of +-8 added to the logits: the query's and key's exact
+    # gradients are 1e-21, and a masked softmin over five values of +-9 is one-hot (its
+    # gradient 160x smaller than the unmasked sample's).
+    "nn.functional.multi_head_attention_forward": "saturated softmax",
+    "masked.softmin": "saturated softmax",
     # Products of up to ten values of +-9 span eight orders of magnitude within one group, and
     # backward reads each through its ratio to the input.
     "cumprod": "products spanning orders of magnitude",
     "scatter_reduce": "products spanning orders of magnitude",
 }
-# Above the 8-bit error bound for a cause not yet found: measured, and left visible here.
-KNOWN_8BIT_ERRORS = {
-    "nn.functional.multi_head_attention_forward": "8-bit error 1.6e23 on one sample",
-    "masked.softmin": "8-bit error 0.21",
-    "nn.functional.layer_norm": "8-bit error 102 on one sample",
-    "nn.functional.rms_norm": "8-bit error 1.0 on one sample",
-    "_batch_norm_with_update": "8-bit error 0.20",
-}
-# An exact gradient that is zero up to round-off (normalize over a dimension of one,
-# corrcoef of fewer than three observations) has no relative error to measure.
+# An exact gradient that is zero up to round-off (normalize or layer_norm over a dimension of
+# one, corrcoef of fewer than three observations) has no relative error to measure.
 ZERO_GRADIENT = 1e-4
 
 
@@ -91,30 +88,33 @@ def _gradients(op, sample, compress_bits: int | None):
         sample_input = torch.utils._pytree.tree_map(intermediate, sample.input)
         args = torch.utils._pytree.tree_map(intermediate, sample.args)
         kwargs = torch.utils._pytree.tree_map(intermediate, sample.kwargs)
-        out = op(sample_input, *args, **kwargs)
-        outs = [o for o in torch.utils._pytree.tree_leaves(out)
-                if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
-        generator = torch.Generator().manual_seed(0)
-        return sum((o * torch.randn(o.shape, generator=generator, dtype=o.dtype)).sum() for o in outs) if outs else None
+        return op(sample_input, *args, **kwargs)
 
     if compress_bits is None:
-        loss = run()
+        out = run()
     else:
         with compress_activations(bits=compress_bits, min_numel=1):
-            loss = run()
-    if loss is None:
+            out = run()
+    # The projection is outside the compressed region: only what the op saves is rounded.
+    outs = [o for o in torch.utils._pytree.tree_leaves(out)
+            if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
+    if not outs:
         return None
+    generator = torch.Generator().manual_seed(0)
+    loss = sum((o * torch.randn(o.shape, generator=generator, dtype=o.dtype)).sum() for o in outs)
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     return [g.to_dense() if g is not None and g.layout != torch.strided else g for g in grads]
 
 
 def _relative_error(noisy, exact) -> float:
+    """The largest relative error over the inputs whose exact gradient is not zero up to
+    round-off (see ``ZERO_GRADIENT``)."""
     worst = 0.0
     for n, e in zip(noisy, exact):
         if n is None or e is None:
             continue
         norm = e.norm().item()
-        if norm > 0 and math.isfinite(norm):
+        if norm >= ZERO_GRADIENT and math.isfinite(norm):
             worst = max(worst, (n - e).norm().item() / norm)
     return worst
 
@@ -141,11 +141,8 @@ def check(op, bits: int) -> None:
         noisy = _gradients(op, sample, bits)  # must not raise
         compared += 1
         assert not _nonfinite_where_exact_is_finite(noisy, exact), f"{_case_id(op)}: non-finite gradient"
-        zero = max((e.norm().item() for e in exact if e is not None), default=0.0) < ZERO_GRADIENT
-        if bits == 8 and op.name not in ILL_CONDITIONED and not zero:
+        if bits == 8 and op.name not in ILL_CONDITIONED:
             error = _relative_error(noisy, exact)
-            if error > ERROR_AT_8_BITS and op.name in KNOWN_8BIT_ERRORS:
-                pytest.xfail(KNOWN_8BIT_ERRORS[op.name])
             assert error <= ERROR_AT_8_BITS, f"{_case_id(op)}: relative error {error:.3g} at 8 bits"
     if not compared:
         pytest.skip(f"{_case_id(op)}: no sample its exact backward differentiates")

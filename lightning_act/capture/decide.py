@@ -150,7 +150,8 @@ _DROPOUT_OPS = frozenset({"dropout", "dropout_"})
 # Hand floors (see the module notes).
 _SOFTMAX_OPS = frozenset({"softmax", "softmax_"})
 _UNKNOWN_USE_BITS = _NONLINEAR_BITS
-_BATCH_NORM_OPS = frozenset({"batch_norm"})
+# BatchNorm, as its functional form and as the aten ops it reaches (called directly).
+_BATCH_NORM_OPS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update"})
 
 # Normalisations whose backward scales each row's noise by that row's 1 / std. A group of
 # the quantizer that spans two rows takes its range from the wider one, and the narrow
@@ -448,13 +449,18 @@ def _row_grouping(row: int, group_size: int, bits: int) -> tuple[int, int]:
     return best[1], best[2]
 
 
+def _batch_norm_row(t: torch.Tensor, call: TrackedCall | None) -> int | None:
+    """Values per channel when ``t`` is BatchNorm's input (its rows are its channels)."""
+    if call is None or call.name not in _BATCH_NORM_OPS or t.dim() < 2 or not _is_first_argument(t, call):
+        return None
+    return t.numel() // max(t.shape[1], 1)
+
+
 def _is_channel_normalized(t: torch.Tensor, call: TrackedCall | None, group_size: int) -> bool:
     """Whether ``t`` is BatchNorm's input and its groups, in memory order, would span
     channels: its channels (dimension 1) are not runs of whole groups (small maps, such as
     1x1 or 7x7, or channels-last memory)."""
-    if call is None or call.name != "batch_norm" or t.dim() < 2 or t.shape[1] < 2:
-        return False
-    if not _is_first_argument(t, call):
+    if _batch_norm_row(t, call) is None or t.shape[1] < 2:
         return False
     return not (t.is_contiguous() and math.prod(t.shape[2:]) % group_size == 0)
 
@@ -584,9 +590,10 @@ def decide(
         if row is None and _is_channel_normalized(t, call, group_size):
             # Each channel one run, so that groups can stay within a channel.
             row, row_layout = t.numel() // t.shape[1], Layout.channel_major(t)
-        if row is not None and row < MIN_GROUP_SIZE:
-            # Rows too short for groups of their own: a group across rows would round a narrow
-            # row to noise that backward multiplies by its 1 / std. Exact, and small.
+        shortest = row if row is not None else _batch_norm_row(t, call)
+        if shortest is not None and shortest < MIN_GROUP_SIZE:
+            # Rows too short for groups of their own, or for rounding to average out over: a
+            # narrow row's noise is multiplied by its 1 / std. Exact, and small.
             return Decision(Kind.KEEP, min_bits)
         row_group = None
         if row is not None and row % group_size:
