@@ -177,6 +177,9 @@ class GraphNetwork(nn.Module):
         elif conv == "gin":
             self.conv1 = gnn.GINConv(nn.Sequential(nn.Linear(in_channels, hidden), nn.ReLU(), nn.Linear(hidden, hidden)))
             self.conv2 = gnn.GINConv(nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes)))
+        elif conv == "sage_max":  # max aggregation: scatter_reduce's amax
+            self.conv1 = gnn.SAGEConv(in_channels, hidden, aggr="max")
+            self.conv2 = gnn.SAGEConv(hidden, classes, aggr="max")
         elif conv == "gatv2":
             self.conv1 = gnn.GATv2Conv(in_channels, hidden // 4, heads=4)
             self.conv2 = gnn.GATv2Conv(hidden, classes, heads=1)
@@ -184,7 +187,7 @@ class GraphNetwork(nn.Module):
             self.conv1 = gnn.TransformerConv(in_channels, hidden // 4, heads=4)
             self.conv2 = gnn.TransformerConv(hidden, classes, heads=1)
         else:
-            raise ValueError(f"conv={conv!r} is not supported; allowed: gcn, sage, gin, gatv2, transformer")
+            raise ValueError(f"conv={conv!r} is not supported; allowed: gcn, sage, sage_max, gin, gatv2, transformer")
         self.dropout = nn.Dropout(0.5)
 
     def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
@@ -222,6 +225,45 @@ def torch_rnn(data: Path, cell: str) -> Workload:
     return Workload(model, _seeded(lambda: F.cross_entropy(model(x).flatten(0, 1), y.flatten())), tokens)
 
 
+def diffusers_unet(data: Path, batch: int = 8) -> Workload:
+    """A diffusers ``UNet2DModel`` (GroupNorm, SiLU, attention) on CIFAR images, trained to
+    predict the noise of DDPM's forward process at a random step."""
+    from diffusers import UNet2DModel
+
+    model = UNet2DModel(sample_size=32, in_channels=3, out_channels=3, layers_per_block=1,
+                        block_out_channels=(32, 64), norm_num_groups=8, attention_head_dim=8,
+                        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                        up_block_types=("AttnUpBlock2D", "UpBlock2D")).train()
+    images, _ = cifar_images(data, batch)
+    generator = torch.Generator().manual_seed(0)
+    steps = torch.randint(0, 1000, (batch,), generator=generator)
+    alpha_bar = torch.cos((steps.float() / 1000 + 0.008) / 1.008 * math.pi / 2) ** 2  # a cosine schedule
+    noise = torch.randn(images.shape, generator=generator)
+    noisy = alpha_bar.sqrt().view(-1, 1, 1, 1) * images + (1 - alpha_bar).sqrt().view(-1, 1, 1, 1) * noise
+    return Workload(model, _seeded(lambda: F.mse_loss(model(noisy, steps).sample, noise)), (noisy, steps, noise))
+
+
+def torchvision_detector(data: Path, batch: int = 4, size: int = 160) -> Workload:
+    """torchvision's Faster R-CNN with a MobileNetV3 FPN backbone, in training mode (its losses
+    over region proposals, ``roi_align`` among the ops), on CIFAR images upsampled to ``size``
+    with two synthetic boxes each."""
+    from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_fpn
+
+    model = fasterrcnn_mobilenet_v3_large_fpn(weights=None, weights_backbone=None, num_classes=11,
+                                              min_size=size, max_size=size).train()
+    images, labels = cifar_images(data, batch)
+    images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
+    generator = torch.Generator().manual_seed(0)
+    targets = []
+    for label in labels:
+        corners = torch.rand(2, 2, generator=generator) * size * 0.5
+        sizes = 16 + torch.rand(2, 2, generator=generator) * size * 0.4
+        boxes = torch.cat([corners, (corners + sizes).clamp(max=size - 1)], dim=1)
+        targets.append({"boxes": boxes, "labels": torch.stack([label + 1, (label + 5) % 10 + 1])})
+    image_list = list(images)
+    return Workload(model, _seeded(lambda: sum(model(image_list, targets).values())), (images, targets))
+
+
 @dataclass(frozen=True)
 class Case:
     """A model from a public library, as a user would build it."""
@@ -248,11 +290,14 @@ CASES: dict[str, Case] = {
                             window_size=4, embed_dim=48, depths=(2, 2), num_heads=(3, 6)),
     "pyg_gcn": _case("torch_geometric", pyg_cora, "gcn"),
     "pyg_sage": _case("torch_geometric", pyg_cora, "sage"),
+    "pyg_sage_max": _case("torch_geometric", pyg_cora, "sage_max"),
     "pyg_gin": _case("torch_geometric", pyg_cora, "gin"),
     "pyg_gatv2": _case("torch_geometric", pyg_cora, "gatv2"),
     "pyg_transformer": _case("torch_geometric", pyg_cora, "transformer"),
     "torch_lstm": _case("torch.nn", torch_rnn, "lstm"),
     "torch_gru": _case("torch.nn", torch_rnn, "gru"),
+    "diffusers_unet": _case("diffusers", diffusers_unet),
+    "torchvision_fasterrcnn": _case("torchvision", torchvision_detector),
 }
 
 

@@ -97,7 +97,7 @@ class Read(NamedTuple):
 _SHAPE_ONLY = frozenset(
     {"full_like", "zeros_like", "ones_like", "empty_like", "rand_like", "randn_like", "new_zeros", "new_ones",
      "new_empty", "new_full", "empty_strided", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
-     "size", "stride", "isnan", "isinf", "isfinite", "isposinf", "isneginf", "fill", "zero", "scalar_tensor"}
+     "size", "stride", "isnan", "isinf", "isfinite", "isposinf", "isneginf", "fill", "zero"}
 )
 # Backward kernels that read some arguments for their shape alone (by schema name).
 _SHAPE_ONLY_ARGUMENTS = {
@@ -112,7 +112,6 @@ _SHAPE_ONLY_ARGUMENTS = {
     "nll_loss_backward": {"self"},
     "nll_loss2d_backward": {"self"},
     "fractional_max_pool2d_backward": {"self"},
-    "max_unpool2d": set(),
 }
 # Linear in every tensor argument: the result's degree is the largest of theirs.
 _LINEAR = frozenset(
@@ -138,7 +137,7 @@ _LINEAR = frozenset(
      "nan_to_num", "prod_backward", "_pad_packed_sequence", "_pack_padded_sequence_backward", "unsafe_split",
      "fft_r2c", "fft_c2r", "fft_c2c", "_fft_r2c", "_fft_c2r", "_fft_c2c", "block_diag", "renorm_backward",
      "lerp_scalar", "clone_preserve_strides", "repeat_interleave", "_index_put_impl", "index_fill",
-     "new_empty_strided", "_local_scalar_dense", "zeros", "ones", "full", "empty", "arange", "linspace"}
+     "new_empty_strided", "_local_scalar_dense"}
 )
 # Products: the result's degree is the sum of the multiplied arguments' degrees.
 _BILINEAR = frozenset({"mul", "mm", "bmm", "matmul", "dot", "vdot", "mv", "outer", "ger", "convolution",
@@ -207,7 +206,7 @@ def _is_float(node: fx.Node) -> bool:
 class _Walk:
     """One forward pass over a graph from a saved tensor's node: degrees and what was seen."""
 
-    def __init__(self, target: fx.Node, tangents: Iterable[fx.Node] = (), others: Iterable[fx.Node] = ()):
+    def __init__(self, target: fx.Node, others: Iterable[fx.Node] = ()):
         self.degree: dict[fx.Node, int] = {target: 1}
         #: Every node computed from another saved tensor.
         self.from_others = _reached_from(others)
@@ -217,7 +216,6 @@ class _Walk:
         self.reason: str | None = None
         self.thresholds: set[float] = set()
         self.compared = False
-        self.tangents = set(tangents)
         seen = {target}
         for node in target.graph.nodes:
             if node.op != "call_function" or node is target or not any(a in seen for a in node.all_input_nodes):
@@ -378,7 +376,7 @@ def classify(target: fx.Node, tangents: Iterable[fx.Node] = (), others: Iterable
     other saved tensors' nodes.
     """
     tangents = list(tangents)
-    walk = _Walk(target, tangents, others)
+    walk = _Walk(target, others)
     outputs = [n for n in target.graph.nodes if n.op == "output"]
     read = walk.result(pytree.tree_leaves([o.args for o in outputs]))
     if Use.QUADRATIC <= read.use <= Use.SINGULAR and not walk.compared:

@@ -41,7 +41,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["OpTracker", "TrackedCall", "call_argument", "is_same_tensor", "saved_index_range"]
+__all__ = ["LOOK_UP", "OpTracker", "TrackedCall", "call_argument", "is_same_tensor", "saved_index_range"]
+
+LOOK_UP = object()
 
 
 class TrackedCall:
@@ -53,7 +55,7 @@ class TrackedCall:
     call makes them, can tell which one is being saved.
     """
 
-    __slots__ = ("name", "func", "args", "kwargs", "saves")
+    __slots__ = ("name", "func", "args", "kwargs", "saves", "reads")
 
     def __init__(self, name: str, args: tuple, kwargs: dict, saves: int = 0, func: Any = None):
         self.name = name
@@ -61,6 +63,9 @@ class TrackedCall:
         self.args = args
         self.kwargs = kwargs
         self.saves = saves
+        #: What the analysis found for the call's saves, looked up at its first save (one
+        #: signature per call, not per save); ``LOOK_UP`` until then.
+        self.reads: Any = LOOK_UP
 
 
 def _function_name(func: Any) -> str:

@@ -103,7 +103,7 @@ from lightning_act.backward_reads import PointwiseDerivative, Read, Use, call_re
 from lightning_act.capture.records import Layout
 from lightning_act.codecs.exact import INDEX_DTYPES, MaskCodec
 from lightning_act.ops.validation import FLOAT_DTYPES, MIN_GROUP_SIZE
-from lightning_act.optrack import TrackedCall, call_argument, is_same_tensor, saved_index_range
+from lightning_act.optrack import LOOK_UP, TrackedCall, call_argument, is_same_tensor, saved_index_range
 from lightning_act.policy.allocation import STATS_BITS_PER_GROUP
 
 __all__ = [
@@ -471,7 +471,9 @@ def read_of(t: torch.Tensor, call: TrackedCall | None) -> Read | None:
     there is no call, or its backward could not be traced or saves something else there."""
     if call is None or call.func is None:
         return None
-    traced = call_reads(call.func, call.args, call.kwargs)
+    if call.reads is LOOK_UP:
+        call.reads = call_reads(call.func, call.args, call.kwargs)
+    traced = call.reads
     if traced is None:
         return None
     reads, saves = traced
@@ -558,13 +560,19 @@ def decide(
             return Decision(Kind.STATISTIC if _is_statistic(t, call) else Kind.KEEP)
         min_bits = floor_bits(t, call, read)
         interval = _interval(t, call)
-        if op in _DROPOUT_OPS or (read is not None and read.use is Use.REGION):
-            if op in _ZERO_EXACT_OPS:
+        if op in _DROPOUT_OPS:
+            kind = Kind.SIGN_MASK
+        elif read is not None and read.use is Use.REGION:
+            # A mask codec keeps the comparisons only where they are the ones the op's hand
+            # rule names; any other comparison with constants stays exact.
+            if op in _ZERO_EXACT_OPS and read.thresholds == (0.0,):
                 kind = Kind.QUANTIZE  # zeros kept exact: see _ZERO_EXACT_OPS
-            elif op in _SIGN_ONLY_OPS or op in _DROPOUT_OPS or interval is not None:
+            elif (op in _SIGN_ONLY_OPS and read.thresholds == (0.0,)) or (
+                interval is not None and set(read.thresholds) <= set(interval)
+            ):
                 kind = Kind.SIGN_MASK
             else:
-                return Decision(Kind.KEEP, min_bits)  # compared with constants no codec keeps
+                return Decision(Kind.KEEP, min_bits)
         else:
             kind = Kind.QUANTIZE
     elif t.dtype == torch.bool:
@@ -581,7 +589,7 @@ def decide(
     else:
         return Decision(Kind.KEEP)
     layout = Layout.of(t)
-    if layout is None or layout.numel < max(min_numel, 1) or not _fits_storage(t):  # empty: nothing to store
+    if layout is None or layout.numel < max(min_numel, 1):  # empty: nothing to store
         return Decision(Kind.KEEP, min_bits)
     if kind is Kind.QUANTIZE:
         if call is not None and _is_statistic(t, call):
@@ -622,11 +630,3 @@ def decide(
         return Decision(kind, min_bits, interval=interval, layout=layout)
     return Decision(kind, min_bits, layout=layout)
 
-
-def _fits_storage(t: torch.Tensor) -> bool:
-    """Whether every element of ``t`` lies inside its storage (an ``as_strided`` view can
-    claim elements past its end, which only its op's own kernel ever reads)."""
-    if t.numel() == 0:
-        return True
-    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
-    return min(t.stride(), default=0) >= 0 and (last + 1) * t.element_size() <= t.untyped_storage().nbytes()
