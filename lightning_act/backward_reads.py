@@ -423,20 +423,48 @@ class PointwiseDerivative:
 
     def store(self, x: torch.Tensor) -> tuple[torch.Tensor, PointwiseDerivative]:
         """What to encode in place of ``x``, and what restores it at unpack."""
+        derivative = torch.empty_like(x, memory_format=torch.contiguous_format)
+        one = torch.ones((), dtype=x.dtype, device=x.device)
         with torch.no_grad():
-            return self._h(x, torch.ones((), dtype=x.dtype, device=x.device)), self
+            for source, target in _chunks(x.reshape(-1), derivative.view(-1)):
+                target.copy_(self._h(source, one))
+        return derivative.view(x.shape), self
 
     def restore(self, decoded: torch.Tensor) -> torch.Tensor:
+        """The input whose derivative is ``decoded``, written over ``decoded``."""
         key = (decoded.device, decoded.dtype)
         if key not in self._tables:
-            self._tables[key] = (self._hs.to(decoded.device, torch.float32), self._xs.to(decoded.device, torch.float32))
-        hs, xs = self._tables[key]
-        h = decoded.float().clamp_(hs[0], hs[-1])
-        right = torch.searchsorted(hs, h).clamp_(1, hs.numel() - 1)
-        left = right - 1
-        h_left, h_right = hs[left], hs[right]
-        weight = ((h - h_left) / (h_right - h_left).clamp_min(torch.finfo(torch.float32).tiny)).clamp_(0, 1)
-        return torch.lerp(xs[left], xs[right], weight).to(decoded.dtype)
+            self._tables[key] = self._line_table(decoded.device)
+        ends, intercepts, slopes = self._tables[key]
+        flat = decoded.view(-1)
+        for h, target in _chunks(flat, flat):
+            h = h.float().clamp_(ends[0], ends[-1])
+            piece = torch.searchsorted(ends, h, out_int32=True).clamp_(1, ends.numel() - 1)
+            target.copy_(intercepts[piece].addcmul_(slopes[piece], h))
+        return decoded
+
+    def _line_table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The table's ends and, for the piece ending at each, the line ``x = a + b h`` through
+        its two points (float32, on ``device``)."""
+        hs, xs = self._hs, self._xs
+        widths = hs.diff()
+        slopes = torch.where(widths > 0, xs.diff() / widths.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+        intercepts = xs[:-1] - slopes * hs[:-1]
+        pad = torch.zeros(1, dtype=torch.float64)  # piece 0 is never read: indices start at 1
+        return tuple(t.to(device, torch.float32) for t in (hs, torch.cat([pad, intercepts]), torch.cat([pad, slopes])))
+
+
+# The derivative is evaluated and inverted a chunk at a time, so that the temporaries (the
+# table's int32 piece indices, the gathered lines) live for one chunk, never for the whole
+# tensor: at most 16 chunks, of at least 16,384 values.
+_MIN_CHUNK = 1 << 14
+_MAX_CHUNKS = 16
+
+
+def _chunks(source: torch.Tensor, target: torch.Tensor):
+    size = max(_MIN_CHUNK, -(-source.numel() // _MAX_CHUNKS))
+    for start in range(0, source.numel(), size):
+        yield source[start : start + size], target[start : start + size]
 
 
 # Ops that copy or select values element by element without the pointwise tag.

@@ -1,7 +1,8 @@
 """Models from the public model libraries, through the public capture API.
 
-HF ``transformers``, ``timm``, PyG and ``torch.nn`` RNNs, built from their configs (random
-weights, small sizes, CPU, fp32) on real data. For each model:
+HF ``transformers``, ``timm``, PyG, ``torch.nn`` RNNs, a diffusers U-Net and a torchvision
+detector in training mode, built from their configs (random weights, small sizes, CPU, fp32)
+on real data. For each model:
 
 * it runs: forward and backward under the capture, a finite gradient;
 * at 8 bits the weight gradient is within 1e-2 (relative L2) of uncompressed training's;
@@ -40,6 +41,8 @@ LIBRARY_MODULES = {
     "timm": ("timm",),
     "torch_geometric": ("torch_geometric",),
     "torch.nn": (),
+    "diffusers": ("diffusers",),
+    "torchvision": ("torchvision",),
 }
 LIBRARY_DATA = {
     "transformers": "tinyshakespeare/input.txt",
@@ -47,6 +50,8 @@ LIBRARY_DATA = {
     "timm": "cifar10",
     "torch_geometric": "planetoid/Cora/raw",
     "torch.nn": "tinyshakespeare/input.txt",
+    "diffusers": "cifar10",
+    "torchvision": "cifar10",
 }
 # Four models, about 17 s together on a busy 2-core CPU; the others are slow.
 FAST = frozenset({"hf_llama", "hf_llama_checkpointing", "hf_bert", "torch_lstm"})

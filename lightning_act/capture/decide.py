@@ -243,14 +243,17 @@ class MinusInfinityStandIn:
     tensor's smallest finite value, with a 1-bit mask of where they were, and put back at
     unpack. The codec decodes a group holding a non-finite value as NaN (so that a NaN or an
     overflow never turns into a finite, wrong gradient); ``-inf`` there is a value, not a
-    fault. The stand-in is computed on the device: nothing is read back to the host. The
+    fault. On a GPU the stand-in and the mask are computed on the device, whether or not a
+    ``-inf`` is there (looking would read back to the host); on the CPU only where one is. The
     copy decodes to the tensor itself, so other saves of it may share it."""
 
     for_its_op_alone = False
 
     @staticmethod
-    def store(x: torch.Tensor) -> tuple[torch.Tensor, _MinusInfinity]:
+    def store(x: torch.Tensor) -> tuple[torch.Tensor, _MinusInfinity | None]:
         masked = torch.isneginf(x)
+        if x.device.type == "cpu" and not masked.any():
+            return x, None  # on the CPU, looking costs no synchronisation: no mask needed
         low = torch.where(masked, torch.inf, x).amin()
         low = torch.where(low.isinf(), 0.0, low)  # every value masked: any stand-in will do
         return torch.where(masked, low, x), _MinusInfinity(MaskCodec().pack(masked, 0, 0))
