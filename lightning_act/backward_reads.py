@@ -53,7 +53,8 @@ import enum
 import functools
 import operator
 import threading
-from typing import Any, Callable, Iterable, NamedTuple
+import weakref
+from typing import Any, Callable, Collection, Iterable, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -206,25 +207,36 @@ def _is_float(node: fx.Node) -> bool:
 class _Walk:
     """One forward pass over a graph from a saved tensor's node: degrees and what was seen."""
 
-    def __init__(self, target: fx.Node, others: Iterable[fx.Node] = ()):
+    def __init__(self, target: fx.Node, saved: Collection[fx.Node] = ()):
+        self.target = target
+        #: The graph's saved tensors (the target among them): what ``exp(x - result)`` reads.
+        self.saved = saved
         self.degree: dict[fx.Node, int] = {target: 1}
-        #: Every node computed from another saved tensor.
-        self.from_others = _reached_from(others)
         #: Every node computed from the saved tensor, masks of it included (degree 0).
-        self.reached: list[fx.Node] = []
+        self.reached = _downstream(target)
         self.worst = Use.NONE
         self.reason: str | None = None
         self.thresholds: set[float] = set()
         self.compared = False
-        seen = {target}
-        for node in target.graph.nodes:
-            if node.op != "call_function" or node is target or not any(a in seen for a in node.all_input_nodes):
-                continue
-            seen.add(node)
-            self.reached.append(node)
+        for node in self.reached:
             degree = self._step(node)
             if degree:
                 self.degree[node] = degree
+
+    def _from_another_save(self, node: fx.Node) -> bool:
+        """Whether ``node`` is computed from a saved tensor other than the target: a search
+        back through its inputs that stops at saved tensors and gradients."""
+        stack, seen = list(node.all_input_nodes), set()
+        while stack:
+            current = stack.pop()
+            if current in seen or current is self.target:
+                continue
+            seen.add(current)
+            if current in self.saved:
+                return True
+            if not _is_marker(current):
+                stack.extend(current.all_input_nodes)
+        return False
 
     def _record(self, use: Use, node: fx.Node) -> None:
         if use > self.worst:
@@ -285,7 +297,7 @@ class _Walk:
             self._record(Use.EXACT, node)
             return 1
         if name in _SMOOTH:
-            if name in _EXPONENTIALS and any(a in self.from_others for a in node.all_input_nodes):
+            if name in _EXPONENTIALS and self._from_another_save(node):
                 # exp(x - result): the difference of two rounded values, each far larger than
                 # it, exponentiated (logsumexp's and logcumsumexp's backward).
                 self._record(Use.SINGULAR, node)
@@ -298,7 +310,10 @@ class _Walk:
                     self._record(Use.SMOOTH, node)
             return max(degrees)
         if name in _RECURRENT_BACKWARD:
-            return 2 * max(degrees)
+            # Linear in the incoming gradients, quadratic in what the cells saved.
+            grads = [d for (arg_name, _), d in zip(arguments, degrees) if arg_name and arg_name.startswith("grad")]
+            saves = [d for (arg_name, _), d in zip(arguments, degrees) if not (arg_name and arg_name.startswith("grad"))]
+            return max(max(grads, default=0), 2 * max(saves, default=0))
         self._record(Use.SINGULAR, node)  # an aten op not described here
         return 1
 
@@ -356,29 +371,43 @@ class _Walk:
         return Read(use, thresholds, None, reason)
 
 
-def _reached_from(sources: Iterable[fx.Node]) -> set[fx.Node]:
-    reached = set(sources)
-    if not reached:
-        return reached
-    graph = next(iter(reached)).graph
-    for node in graph.nodes:
-        if node not in reached and any(a in reached for a in node.all_input_nodes):
-            reached.add(node)
-    return reached
+def _outputs(graph: fx.Graph) -> list:
+    """What the graph returns (its output node is its last)."""
+    return pytree.tree_leaves(next(reversed(graph.nodes)).args)
 
 
-def classify(target: fx.Node, tangents: Iterable[fx.Node] = (), others: Iterable[fx.Node] = ()) -> Read:
+_positions: weakref.WeakKeyDictionary[fx.Graph, dict[fx.Node, int]] = weakref.WeakKeyDictionary()
+
+
+def _downstream(target: fx.Node) -> list[fx.Node]:
+    """The call nodes computed from ``target``, in graph order: found through the nodes'
+    users, so that classifying every saved tensor of a long graph (a recurrent op's steps)
+    costs what each one reaches, not the whole graph each time."""
+    graph = target.graph
+    if graph not in _positions:
+        _positions[graph] = {node: i for i, node in enumerate(graph.nodes)}
+    position = _positions[graph]
+    found, stack = set(), list(target.users)
+    while stack:
+        node = stack.pop()
+        if node in found or node.op != "call_function":
+            continue
+        found.add(node)
+        stack.extend(node.users)
+    return sorted(found, key=position.__getitem__)
+
+
+def classify(target: fx.Node, tangents: Iterable[fx.Node] = (), saved: Collection[fx.Node] = ()) -> Read:
     """How the graph of ``target`` reads it, from ``target`` to the graph's outputs.
 
     ``target`` is a saved tensor's node in an aten graph (a read marker in a traced
     backward, or a placeholder of a compiled backward); ``tangents`` are the nodes of the
-    incoming gradients, which a pointwise derivative is checked against; ``others`` are the
-    other saved tensors' nodes.
+    incoming gradients, which a pointwise derivative is checked against; ``saved`` are the
+    graph's saved tensors' nodes (a set, shared by every call for one graph).
     """
     tangents = list(tangents)
-    walk = _Walk(target, others)
-    outputs = [n for n in target.graph.nodes if n.op == "output"]
-    read = walk.result(pytree.tree_leaves([o.args for o in outputs]))
+    walk = _Walk(target, saved)
+    read = walk.result(_outputs(target.graph))
     if Use.QUADRATIC <= read.use <= Use.SINGULAR and not walk.compared:
         derivative = PointwiseDerivative.find(target, tangents, walk)
         if derivative is not None:
@@ -478,8 +507,7 @@ def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk):
     val = target.meta.get("val")
     if not isinstance(val, torch.Tensor) or not tangents:
         return None
-    outputs = pytree.tree_leaves([n.args for n in target.graph.nodes if n.op == "output"])
-    results = [o for o in outputs if isinstance(o, fx.Node) and o in walk.degree]
+    results = [o for o in _outputs(target.graph) if isinstance(o, fx.Node) and o in walk.degree]
     if len(results) != 1:
         return None
     graph = fx.Graph()
@@ -590,6 +618,11 @@ def _read_fake(t: torch.Tensor, slot: int) -> torch.Tensor:
 _TANGENT_SLOTS = -1  # tangents are marked with slots -1, -2, ...
 
 
+def _is_marker(node: fx.Node) -> bool:
+    """A read of a saved tensor, or a gradient, as the eager trace marks them."""
+    return node.op == "call_function" and node.target is torch.ops.lightning_act_reads.read.default
+
+
 class _Traced(NamedTuple):
     reads: tuple[Read, ...]
     #: (dtype, rank) of each traced save, checked against the real ones.
@@ -690,18 +723,18 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> _Traced | None:
         return None
     finally:
         torch.random.set_rng_state(rng)
-    markers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.lightning_act_reads.read.default]
+    markers = [n for n in gm.graph.nodes if _is_marker(n)]
     tangents = [n for n in markers if n.args[1] <= _TANGENT_SLOTS]
     slots: dict[int, list[fx.Node]] = {}
     for n in markers:
         if n.args[1] >= 0:
             slots.setdefault(n.args[1], []).append(n)
+    saved = {n for marked in slots.values() for n in marked}
     reads = []
     for slot in range(len(saves)):
         nodes = slots.get(slot, [])
         if not nodes:
             reads.append(Read(Use.NONE))  # saved and never read in backward
         else:  # read twice (a double backward): the stricter
-            others = [n for other, marked in slots.items() if other != slot for n in marked]
-            reads.append(max((classify(n, tangents, others) for n in nodes), key=lambda r: r.use))
+            reads.append(max((classify(n, tangents, saved) for n in nodes), key=lambda r: r.use))
     return _Traced(tuple(reads), tuple(saves))

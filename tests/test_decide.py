@@ -322,14 +322,26 @@ def test_reduction_statistics_are_kept_exact():
     assert [d.kind for d in saved] == [Kind.QUANTIZE, Kind.STATISTIC, Kind.STATISTIC]
 
 
-def test_a_recurrent_op_s_gates_get_the_quadratic_floor_from_its_traced_steps():
-    """``nn.GRU`` on the CPU runs its cells step by step under the one call ``gru``: the trace
-    shows each step's sigmoid and tanh outputs, whose backward reads y (1 - y) and 1 - y**2."""
+@pytest.mark.parametrize("cell", [nn.GRU, nn.LSTM, nn.RNN])
+def test_recurrent_calls_are_read_as_the_trace_of_a_short_sequence_reads_them(cell):
+    """Recurrent calls are not traced (the trace grows with the sequence): their float saves
+    get the quadratic floor. The trace of a short sequence shows nothing stricter: each
+    step's gates are read through y (1 - y) and 1 - y**2, the rest linearly."""
+    from lightning_act.backward_reads import Use, call_reads
+
     torch.manual_seed(0)
-    gru = nn.GRU(32, 16)
-    sequence = grad_input(12, 4, 32)
-    floors = {d.min_bits for d in saves_of(gru, sequence) if d.kind is Kind.QUANTIZE}
-    assert floors and min(floors) >= 1 and 4 in floors
+    rnn = cell(16, 8, num_layers=2)
+    sequence = grad_input(3, 4, 16)
+    hidden = torch.zeros(2, 4, 8)
+    state = (hidden, hidden.clone()) if cell is nn.LSTM else hidden
+    vf = {nn.GRU: torch._VF.gru, nn.LSTM: torch._VF.lstm, nn.RNN: torch._VF.rnn_tanh}[cell]
+    traced = call_reads(vf, (sequence, state, rnn._flat_weights, True, 2, 0.0, True, False, False), {})
+    assert traced is not None
+    reads, saves = traced
+    floats = [r.use for r, (dtype, _) in zip(reads, saves) if dtype.is_floating_point]
+    assert floats and max(floats) <= Use.QUADRATIC
+    decided_floors = {d.min_bits for d in saves_of(rnn, grad_input(12, 4, 16)) if d.kind is Kind.QUANTIZE}
+    assert decided_floors == {4}
 
 
 def test_one_byte_buffers_without_a_bound_are_kept_as_they_are():

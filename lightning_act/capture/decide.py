@@ -151,6 +151,13 @@ _DROPOUT_OPS = frozenset({"dropout", "dropout_"})
 _SOFTMAX_OPS = frozenset({"softmax", "softmax_"})
 _UNKNOWN_USE_BITS = _NONLINEAR_BITS
 # BatchNorm, as its functional form and as the aten ops it reaches (called directly).
+# Recurrent calls run their cells step by step under one call (``nn.GRU`` on the CPU): their
+# trace grows with the sequence (11 s for 64 steps of a two-layer GRU, and classifying its
+# 1,154 saves as long again), so they are not traced. Their float saves read as the trace of
+# a short sequence reads them (``tests/test_decide.py``): quadratically at most (the gates'
+# ``y (1 - y)`` and ``1 - y**2``), 4 bits or more.
+_RECURRENT_OPS = frozenset({"gru", "lstm", "rnn_tanh", "rnn_relu"})
+_RECURRENT_READ = Read(Use.QUADRATIC)
 _BATCH_NORM_OPS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update"})
 
 # Normalisations whose backward scales each row's noise by that row's 1 / std. A group of
@@ -474,6 +481,8 @@ def read_of(t: torch.Tensor, call: TrackedCall | None) -> Read | None:
     there is no call, or its backward could not be traced or saves something else there."""
     if call is None or call.func is None:
         return None
+    if call.name in _RECURRENT_OPS:
+        return _RECURRENT_READ if t.is_floating_point() else None
     if call.reads is LOOK_UP:
         call.reads = call_reads(call.func, call.args, call.kwargs)
     traced = call.reads
