@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import logging
 import subprocess
@@ -349,8 +350,29 @@ def train_step(workload: Workload, method: Method) -> None:
 
 
 def measure_step(workload: Workload, method: Method, device: torch.device, timeline: bool = False) -> StepMemory:
-    """Kept and peak bytes of one training step above its start (gradients set to None first)."""
+    """Kept and peak bytes of one training step above its start (gradients set to None first).
+
+    Garbage from before the step (reference cycles holding tensors, which the collector
+    frees whenever it runs) is collected first, and the collector is off during the step, so
+    that no earlier work's memory is freed inside it."""
     workload.model.zero_grad(set_to_none=True)
+    gc.collect()
+    with _collector_off():
+        return _measure_step(workload, method, device, timeline)
+
+
+@contextlib.contextmanager
+def _collector_off():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _measure_step(workload: Workload, method: Method, device: torch.device, timeline: bool) -> StepMemory:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

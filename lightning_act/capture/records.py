@@ -226,7 +226,8 @@ class ProbeRecord:
 
     def unpack(self) -> torch.Tensor:
         if self.probe.noisy_slot != self.slot:
-            return self.dense
+            # A copy: what decodes a record owns the tensor, and a substitute restores it in place.
+            return self.dense.clone()
         return self.codec.pack(self.dense, self.probe.bits, self.probe.next_seed()).unpack()
 
 
