@@ -607,3 +607,17 @@ def test_every_encoded_tensor_is_held_for_the_stream_that_reads_it(monkeypatch):
     loss.backward()
     assert len(held) == capture.report.counts["compressed"] + capture.report.counts.get("lossless", 0) >= 1
     assert all(isinstance(t, torch.Tensor) for t in held)
+
+
+def test_a_save_kept_exact_is_never_served_by_an_earlier_rounded_copy():
+    """ReLU stores its output rounded (zeros exact); amax saves the same tensor and its backward
+    tests it for equality with the maxima: it must get the tensor itself, or nothing matches
+    and the gradient is 0/0 (max aggregation in a graph network: NaN in every weight)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, requires_grad=True)
+    (exact,) = torch.autograd.grad(torch.relu(x * 1.0).amax(1).sum(), x)
+    with compress_activations(bits=8) as capture:
+        loss = torch.relu(x * 1.0).amax(1).sum()
+    (grad,) = torch.autograd.grad(loss, x)
+    assert capture.report.counts.get("deduplicated", 0) == 0
+    assert torch.equal(grad, exact)

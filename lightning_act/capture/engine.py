@@ -507,7 +507,10 @@ class ActivationCapture:
 
     def _bits_needed(self, module: str, op: str | None, decision: Decision) -> float:
         """The fewest bits a copy stored for another save may have to serve this one: the
-        op's floor, or more where a rule pins this module or op to more (or to exact)."""
+        op's floor, or more where a rule pins this module or op to more (or to exact). A save
+        kept as it is needs it exactly (backward compares it for equality, indexes with it)."""
+        if decision.kind is Kind.KEEP or decision.kind is Kind.STATISTIC:
+            return math.inf
         needed = decision.min_bits
         rule = self.policy.rules.lookup(module, op)
         if rule is not None and rule.pins_bits:
