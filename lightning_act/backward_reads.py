@@ -474,13 +474,21 @@ class PointwiseDerivative:
 
     def _line_table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The table's ends and, for the piece ending at each, the line ``x = a + b h`` through
-        its two points (float32, on ``device``)."""
-        hs, xs = self._hs, self._xs
+        its two points (float32, on ``device``). Values of ``h`` within 1e-12 of its span of
+        zero are zero (a flat tail: any input there has that derivative), so that no piece is
+        so narrow in float32 that its slope overflows."""
+        span = (self._hs[-1] - self._hs[0]).item()
+        hs = torch.where(self._hs.abs() > _FLAT * span, self._hs, 0.0).float().double()
+        xs = self._xs
         widths = hs.diff()
-        slopes = torch.where(widths > 0, xs.diff() / widths.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
-        intercepts = xs[:-1] - slopes * hs[:-1]
+        flat = widths <= 0
+        slopes = torch.where(flat, 0.0, xs.diff() / torch.where(flat, 1.0, widths))
+        intercepts = torch.where(flat, xs[1:], xs[:-1] - slopes * hs[:-1])
         pad = torch.zeros(1, dtype=torch.float64)  # piece 0 is never read: indices start at 1
         return tuple(t.to(device, torch.float32) for t in (hs, torch.cat([pad, intercepts]), torch.cat([pad, slopes])))
+
+
+_FLAT = 1e-12
 
 
 # The derivative is evaluated and inverted a chunk at a time, so that the temporaries (the

@@ -247,7 +247,7 @@ def test_ops_reading_only_whether_inside_an_interval_get_an_interval_mask():
     assert decided(x, call("clamp", x, -0.5, 0.5)).kind is Kind.KEEP
 
 
-@pytest.mark.parametrize("activation", [F.silu, F.gelu, F.mish, F.hardswish, F.elu, F.softplus])
+@pytest.mark.parametrize("activation", [F.silu, F.gelu, F.mish, F.hardswish, F.elu, F.softplus, torch.erfc])
 def test_pointwise_activations_store_their_derivative_and_hand_back_an_input_with_it(activation):
     """Backward reads the input only through grad * h(x): h(x) is stored, so backward is linear
     in what is stored; at unpack an input on h's monotone branch with the decoded derivative
