@@ -77,6 +77,10 @@ KNOWN_FAILURES = {
         "added up over the 175 tensors stored behind the stem, whose weight gradient (62% of the "
         "gradient's norm) carries most of it"
     ),
+    ("torchvision_fasterrcnn", "error_8bit"): (
+        "8-bit error 0.016: 8-bit rounding noise added up over the 141 tensors stored, as in the "
+        "MobileNetV3 its backbone is; roi_align's boxes, which its backward indexes with, are exact"
+    ),
     ("pyg_sage_max", "kept_memory"): (
         "5.94x: max aggregation's scatter_reduce amax finds each maximum in backward by testing its "
         "messages for equality with the result, so the messages are kept exact (3.90 of the 5.98 MiB "
