@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["LOOK_UP", "OpTracker", "TrackedCall", "call_argument", "is_same_tensor", "saved_index_range"]
 
+#: :attr:`TrackedCall.reads` before the call's first save looks them up.
 LOOK_UP = object()
 
 

@@ -526,17 +526,13 @@ def _interval(t: torch.Tensor, call: TrackedCall | None) -> tuple[float, float] 
     default_low, default_high = _HARDTANH_DEFAULT_INTERVAL
     low, high = default_low if low is None else low, default_high if high is None else high
     if not (isinstance(low, (int, float)) and isinstance(high, (int, float)) and low < high):
-        return None  # tensor bounds, or an empty interval: quantized like any activation
+        return None  # tensor bounds, or an empty interval: no mask keeps the comparisons
     return float(low), float(high)
+
 
 def _dropout_keep_probability(call: TrackedCall) -> float:
     p = call.kwargs.get("p", call.args[1] if len(call.args) > 1 else 0.5)
     return 1.0 - float(p)
-
-
-
-def _storable_float(t: torch.Tensor) -> bool:
-    return t.dtype in FLOAT_DTYPES and t.layout == torch.strided and not t.is_nested
 
 
 def decide(
@@ -564,7 +560,7 @@ def decide(
         return Decision(Kind.EXTERNAL)
     op = None if call is None else call.name
     if floating:
-        if not _storable_float(t):
+        if t.dtype not in FLOAT_DTYPES:
             return Decision(Kind.KEEP)  # float64: no codec takes it
         read = read_of(t, call)
         if call is not None and (read is None or read.use >= Use.SINGULAR):

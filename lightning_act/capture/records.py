@@ -144,7 +144,7 @@ class Compressed:
     """What autograd holds instead of a compressed tensor: its record, the layout it was
     stored in, and what turns a stored substitute's decoded values back into what backward
     reads (:class:`~lightning_act.backward_reads.PointwiseDerivative`,
-    :class:`~lightning_act.capture.decide.InsideRange`)."""
+    :class:`~lightning_act.capture.decide.MinusInfinityStandIn`)."""
 
     __slots__ = ("record", "layout", "substitute")
 
