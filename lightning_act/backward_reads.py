@@ -83,10 +83,9 @@ class Read(NamedTuple):
     thresholds: tuple[float, ...] = ()
     #: For a pointwise op's input read only through its derivative: what to store instead.
     derivative: PointwiseDerivative | None = None
-    #: Why it is :attr:`Use.EXACT`, :attr:`Use.SINGULAR` or :attr:`Use.SMOOTH`: the aten op
-    #: (or ``"untraced"``) that made it so.
+    #: Why it is :attr:`Use.SMOOTH` or stricter: the aten op that made it so (or the rule,
+    #: such as ``"a power of three or more"``).
     reason: str | None = None
-
 
 
 # --------------------------------------------------------------------------- the aten algebra
@@ -121,7 +120,7 @@ _LINEAR = frozenset(
      "unfold", "diagonal", "diag_embed", "as_strided", "constant_pad_nd", "neg", "sum", "mean", "cumsum",
      "_to_copy", "convert_element_type", "detach", "lift_fresh_copy", "index_select", "gather", "index",
      "slice_scatter", "select_scatter", "diagonal_scatter", "as_strided_scatter", "cat", "stack", "split",
-     "split_with_sizes", "unbind", "chunk", "copy", "copy_", "masked_fill", "index_put", "index_add",
+     "split_with_sizes", "unbind", "chunk", "copy", "masked_fill", "index_put", "index_add",
      "scatter_add", "scatter", "add", "sub", "rsub", "where", "avg_pool1d", "avg_pool2d", "avg_pool3d",
      "avg_pool2d_backward", "avg_pool3d_backward", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d",
      "_adaptive_avg_pool2d_backward", "_adaptive_avg_pool3d_backward", "upsample_nearest1d",
