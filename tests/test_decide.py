@@ -471,6 +471,19 @@ def _addresses(t):
     return (t.storage_offset() + (index * torch.tensor(t.stride())).sum(1)).tolist()
 
 
+def test_a_view_saved_outside_any_call_comes_back_with_its_own_strides():
+    """A compiled graph's saves reach the capture outside any call, and its backward asserts
+    their strides: a slice with gaps (a ViT's class token) comes back strided, not dense."""
+    tokens = torch.randn(4, 65, 192)
+    cls = tokens[:, 0]
+    decision = decided(cls)  # no call
+    restored = decision.layout.restore(decision.layout.dense(cls))
+    assert restored.stride() == cls.stride() and torch.equal(restored, cls)
+    # Inside a call, whose backward is known to read values only, it comes back dense.
+    inside = decided(cls, call("mul", cls, cls.clone()))
+    assert inside.layout.restore(inside.layout.dense(cls)).is_contiguous()
+
+
 def test_layout_refuses_overlapping_elements():
     windows = torch.randn(16).unfold(0, 4, 1)
     assert Layout.of(windows) is None

@@ -516,6 +516,25 @@ def test_compiled_graph_saves_are_compressed_when_it_runs(backend, fresh_dynamo)
     assert "exact" not in compiled_with_rule.counts
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [2, 8])
+def test_a_compiled_vit_gets_its_saved_views_back_with_their_strides(bits, fresh_dynamo):
+    """Inductor's compiled backward asserts the size and strides of every tensor it saved. A
+    ViT's graph saves the class token, ``x[:, 0]``, a view with gaps: decoded dense, the
+    backward failed ``assert_size_stride`` (stride 192 == 12480)."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.VisionTransformer(image_size=32, patch_size=4, num_layers=2, num_heads=4,
+                                                 hidden_dim=192, mlp_dim=384, num_classes=10)
+    compiled = torch.compile(model, backend="inductor")
+    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+    with compress_activations(bits=bits) as capture:
+        loss = F.cross_entropy(compiled(x), y)
+    loss.backward()
+    assert capture.report.counts["compressed"] > 0
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
 def test_a_compiled_graph_is_reused_from_step_to_step(fresh_dynamo):
     model = seeded(small_sequential)
     compiled = torch.compile(model, backend="aot_eager")

@@ -599,6 +599,11 @@ def decide(
     layout = Layout.of(t)
     if layout is None or layout.numel < max(min_numel, 1):  # empty: nothing to store
         return Decision(Kind.KEEP, min_bits)
+    if call is None:
+        # Saved outside any call (a compiled graph's saves, a custom autograd function's): its
+        # backward may rely on the strides it saved (inductor asserts them), so a view copied
+        # dense comes back with its own.
+        layout = layout.with_strides(t)
     if kind is Kind.QUANTIZE:
         if call is not None and _is_statistic(t, call):
             return Decision(Kind.STATISTIC, min_bits)

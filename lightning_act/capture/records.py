@@ -59,6 +59,9 @@ class Layout(NamedTuple):
     padded_row: int | None = None
     #: The dense tensor's shape before its rows were padded.
     unpadded_shape: tuple[int, ...] | None = None
+    #: ``(shape, strides)`` of a copied view that must come back with its own strides, not
+    #: dense: a save whose backward is unknown (a compiled graph's asserts them); None otherwise.
+    strided: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @staticmethod
     def of(t: torch.Tensor) -> Layout | None:
@@ -95,6 +98,11 @@ class Layout(NamedTuple):
         shape = tuple(t.shape[d] for d in self.perm) if self.perm is not None else tuple(t.shape)
         return self._replace(memory_order=False, row=row, padded_row=padded_row, unpadded_shape=shape)
 
+    def with_strides(self, t: torch.Tensor) -> Layout:
+        """This layout, restoring ``t``'s own strides where it copies ``t`` dense. The decoded
+        view is written into a buffer of the view's full extent, alive while backward reads it."""
+        return self._replace(strided=(tuple(t.shape), tuple(t.stride()))) if self.copy else self
+
     def dense(self, t: torch.Tensor) -> torch.Tensor:
         """``t``'s distinct elements as one contiguous tensor (a view where no copy is needed)."""
         if self.expand_to is not None:
@@ -111,7 +119,11 @@ class Layout(NamedTuple):
         if self.padded_row is not None:
             dense = dense.reshape(-1, self.padded_row)[:, : self.row].reshape(self.unpadded_shape)
         t = dense if self.inverse_perm is None else dense.permute(self.inverse_perm)
-        return t if self.expand_to is None else t.expand(self.expand_to)
+        t = t if self.expand_to is None else t.expand(self.expand_to)
+        if self.strided is None:
+            return t
+        size, stride = self.strided
+        return torch.empty_strided(size, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def storage_region(t: torch.Tensor) -> tuple[int, int] | None:
