@@ -49,6 +49,7 @@ a gradient of ones.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import operator
@@ -653,11 +654,13 @@ def _signature(value: Any) -> Any:
     return type(value).__qualname__  # a module, a generator: its type alone
 
 
-def call_reads(func: Callable, args: tuple, kwargs: dict) -> tuple[tuple[Read, ...], tuple] | None:
+def call_reads(func: Callable, args: tuple, kwargs: dict, autocast: tuple = ()) -> tuple[tuple[Read, ...], tuple] | None:
     """How backward reads each tensor the call ``func(*args, **kwargs)`` saves, in the order it
-    saves them, with the ``(dtype, rank)`` of each; None if the call cannot be traced."""
+    saves them, with the ``(dtype, rank)`` of each; None if the call cannot be traced.
+    ``autocast`` is the autocast the call runs under
+    (:func:`~lightning_act.optrack.autocast_state`), which decides what it casts and saves."""
     try:
-        key = (func, _signature(args), _signature(kwargs))
+        key = (func, _signature(args), _signature(kwargs), autocast)
         hash(key)
     except TypeError:
         return None
@@ -665,7 +668,7 @@ def call_reads(func: Callable, args: tuple, kwargs: dict) -> tuple[tuple[Read, .
         if key in _cache:
             traced = _cache[key]
             return None if traced is None else (traced.reads, traced.saves)
-    traced = _trace(func, args, kwargs)
+    traced = _in_fresh_thread(lambda: _trace(func, args, kwargs, autocast))
     with _cache_lock:
         _cache[key] = traced
     return None if traced is None else (traced.reads, traced.saves)
@@ -682,7 +685,27 @@ def _backward_decompositions() -> dict:
     return {op: fn for op, fn in core_aten_decompositions().items() if "backward" in op.name()}
 
 
-def _trace(func: Callable, args: tuple, kwargs: dict) -> _Traced | None:
+def _in_fresh_thread(work: Callable[[], Any]) -> Any:
+    """``work()`` in a thread of its own. The trace starts from clean per-thread state: a pack
+    hook runs inside the saving op's dispatch, where autocast's dispatch key is excluded and
+    the caller's saved-tensor hooks and torch function modes are active."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="lightning_act-trace")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Traced | None:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     flat, spec = pytree.tree_flatten((args, kwargs))
@@ -711,7 +734,11 @@ def _trace(func: Callable, args: tuple, kwargs: dict) -> _Traced | None:
             slot, saved = packed
             return torch.ops.lightning_act_reads.read(saved, slot)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with contextlib.ExitStack() as stack:
+            # The call's own autocast, so that it casts, and saves, as it does for real.
+            for device, dtype, cache in autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
             out = func(*call_args, **call_kwargs)
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.grad_fn is not None]
         if not outs or not leaves:

@@ -41,7 +41,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["LOOK_UP", "OpTracker", "TrackedCall", "call_argument", "is_same_tensor", "saved_index_range"]
+__all__ = ["LOOK_UP", "OpTracker", "TrackedCall", "autocast_state", "call_argument", "is_same_tensor",
+           "saved_index_range"]
 
 #: :attr:`TrackedCall.reads` before the call's first save looks them up.
 LOOK_UP = object()
@@ -56,17 +57,34 @@ class TrackedCall:
     call makes them, can tell which one is being saved.
     """
 
-    __slots__ = ("name", "func", "args", "kwargs", "saves", "reads")
+    __slots__ = ("name", "func", "args", "kwargs", "saves", "autocast", "reads")
 
-    def __init__(self, name: str, args: tuple, kwargs: dict, saves: int = 0, func: Any = None):
+    def __init__(self, name: str, args: tuple, kwargs: dict, saves: int = 0, func: Any = None,
+                 autocast: tuple = ()):
         self.name = name
         self.func = func
         self.args = args
         self.kwargs = kwargs
         self.saves = saves
+        #: The autocast in force when the call began (:func:`autocast_state`): inside the
+        #: call, where its pack hooks run, autocast reads as off.
+        self.autocast = autocast
         #: What the analysis found for the call's saves, looked up at its first save (one
         #: signature per call, not per save); ``LOOK_UP`` until then.
         self.reads: Any = LOOK_UP
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple:
+    """``(device, dtype, cache_enabled)`` of each device's autocast in force: what a call casts
+    its arguments to, and so what it saves."""
+    return tuple(
+        (device, torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled())
+        for device in _AUTOCAST_DEVICES
+        if torch.is_autocast_enabled(device)
+    )
 
 
 def _function_name(func: Any) -> str:
@@ -99,7 +117,7 @@ class OpTracker(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
             return func(*args, **kwargs)
-        self._calls.append(TrackedCall(_function_name(func), args, kwargs, func=func))
+        self._calls.append(TrackedCall(_function_name(func), args, kwargs, func=func, autocast=autocast_state()))
         try:
             return func(*args, **kwargs)
         finally:

@@ -487,3 +487,15 @@ def test_a_view_saved_outside_any_call_comes_back_with_its_own_strides():
 def test_layout_refuses_overlapping_elements():
     windows = torch.randn(16).unfold(0, 4, 1)
     assert Layout.of(windows) is None
+
+
+def test_a_call_under_autocast_is_traced_with_its_casts():
+    """Autocast casts a convolution's input and weight to bfloat16 before autograd saves them,
+    and reads as off inside the call, where the pack hook runs: the trace must run under the
+    autocast the call began with, or its saves (float32) do not match the real ones and the
+    input would be kept exact."""
+    x = grad_input(8, 16, 16, 16)
+    weight = nn.Parameter(torch.randn(16, 16, 3, 3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        decisions = saves_of(F.conv2d, x, weight)
+    assert [d.kind for d in decisions] == [Kind.QUANTIZE, Kind.RECAST_WEIGHT]

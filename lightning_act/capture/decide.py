@@ -484,7 +484,7 @@ def read_of(t: torch.Tensor, call: TrackedCall | None) -> Read | None:
     if call.name in _RECURRENT_OPS:
         return _RECURRENT_READ if t.is_floating_point() else None
     if call.reads is LOOK_UP:
-        call.reads = call_reads(call.func, call.args, call.kwargs)
+        call.reads = call_reads(call.func, call.args, call.kwargs, call.autocast)
     traced = call.reads
     if traced is None:
         return None
