@@ -11,6 +11,9 @@ followed to the gradients.
   :class:`Read`: how backward reads that tensor, by a degree algebra over the aten ops
   (views, sums and additions keep the degree; a product adds degrees; comparisons,
   casts, divisions and transcendental functions are recorded as what they are).
+* :func:`graph_reads` gives it a compiled region's backward graph, whose placeholders are the
+  tensors the compiled forward saves: the backward kernels in it are decomposed as in
+  eager mode first, so both paths read the same aten ops.
 * :func:`call_reads` gives it the graph in eager mode: it traces the call that saves (the
   torch function the :class:`~lightning_act.optrack.OpTracker` reports) forward and
   backward with ``make_fx`` on fake tensors and torch's core decompositions, with
@@ -61,7 +64,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-__all__ = ["PointwiseDerivative", "Read", "Use", "call_reads", "classify"]
+__all__ = ["PointwiseDerivative", "Read", "Use", "call_reads", "classify", "graph_reads"]
 
 
 class Use(enum.IntEnum):
@@ -87,6 +90,10 @@ class Read(NamedTuple):
     #: Why it is :attr:`Use.SMOOTH` or stricter: the aten op that made it so (or the rule,
     #: such as ``"a power of three or more"``).
     reason: str | None = None
+    #: Where it is both compared with constants and read for its value (:attr:`reason`
+    #: ``"comparison"``): how backward reads it if a codec keeps the comparisons exact.
+    #: :attr:`thresholds` then names the constants.
+    value_use: Use | None = None
 
 
 # --------------------------------------------------------------------------- the aten algebra
@@ -360,15 +367,17 @@ class _Walk:
             use = max(use, Use.QUADRATIC)
         elif degree == 1:
             use = max(use, Use.LINEAR)
+        value_use = None
         if self.thresholds and use >= Use.LINEAR:
             # Compared and read for its value: rounding across a threshold switches the value read.
             if Use.SMOOTH > use:
-                use, self.reason = Use.SMOOTH, "comparison"
+                use, value_use, self.reason = Use.SMOOTH, use, "comparison"
         elif self.thresholds:
             use = max(use, Use.REGION)
-        thresholds = tuple(sorted(self.thresholds)) if use is Use.REGION else ()
+        compared = use is Use.REGION or value_use is not None
+        thresholds = tuple(sorted(self.thresholds)) if compared else ()
         reason = self.reason if use >= Use.SMOOTH else None
-        return Read(use, thresholds, None, reason)
+        return Read(use, thresholds, None, reason, value_use)
 
 
 def _outputs(graph: fx.Graph) -> list:
@@ -772,3 +781,64 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
         else:  # read twice (a double backward): the stricter
             reads.append(max((classify(n, tangents, saved) for n in nodes), key=lambda r: r.use))
     return _Traced(tuple(reads), tuple(saves))
+
+
+# --------------------------------------------------------------- compiled: a backward graph
+_graph_cache: weakref.WeakKeyDictionary[fx.Graph, dict[str, Read]] = weakref.WeakKeyDictionary()
+
+
+def graph_reads(backward: fx.Graph) -> dict[str, Read]:
+    """How a compiled region's backward graph reads each tensor its forward saves, by the
+    name of the placeholder that receives it (the saved forward node's name).
+
+    Read once per graph, on the graph as it was first seen: torch inlines the unpack hooks
+    into it while it is read tensor by tensor. Backward kernels the compiler left whole
+    (``native_batch_norm_backward`` under ``aot_eager``) are decomposed first, by the same
+    table as the eager trace's, on fake tensors; where that fails the graph is read as it is
+    (an op the algebra does not know is read as singular: kept exact).
+    """
+    reads = _graph_cache.get(backward)
+    if reads is None:
+        reads = _graph_cache[backward] = _in_fresh_thread(lambda: _read_graph(backward))
+    return reads
+
+
+def _is_tangent(node: fx.Node) -> bool:
+    return node.name.startswith("tangents")
+
+
+def _read_graph(backward: fx.Graph) -> dict[str, Read]:
+    placeholders = [n for n in backward.nodes if n.op == "placeholder"]
+    decomposed = _decomposed(backward, placeholders)
+    nodes = placeholders if decomposed is None else [n for n in decomposed.nodes if n.op == "placeholder"]
+    tangents = [n for p, n in zip(placeholders, nodes) if _is_tangent(p)]
+    saved = {n for p, n in zip(placeholders, nodes) if not _is_tangent(p)}
+    return {p.name: classify(n, tangents, saved) for p, n in zip(placeholders, nodes) if not _is_tangent(p)}
+
+
+def _decomposed(backward: fx.Graph, placeholders: list[fx.Node]) -> fx.Graph | None:
+    """``backward`` retraced with its backward kernels decomposed, placeholders in order."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import optimization_hint as hint_int
+
+    copied = fx.Graph()
+    copied.output(copied.graph_copy(backward, {}))
+    module = fx.GraphModule(backward.owning_module or torch.nn.Module(), copied)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            inputs = []
+            for node in placeholders:
+                val = node.meta.get("val")
+                if isinstance(val, torch.Tensor):
+                    size = [hint_int(s) for s in val.shape]
+                    stride = [hint_int(s) for s in val.stride()]
+                    inputs.append(torch.empty_strided(size, stride, dtype=val.dtype, device=val.device))
+                elif isinstance(val, (int, torch.SymInt)):
+                    inputs.append(hint_int(val))
+                else:
+                    return None
+        with mode:
+            return make_fx(fx.Interpreter(module).run, decomposition_table=_backward_decompositions())(*inputs).graph
+    except Exception:
+        return None

@@ -4,7 +4,6 @@ an adaptive policy, recalibrates the bits of each saved tensor every N steps."""
 from __future__ import annotations
 
 import time
-import warnings
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -14,7 +13,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch._dynamo.eval_frame import OptimizedModule
 from typing_extensions import override
 
 from lightning_act.capture import ActivationCapture, CompressionReport, splitmix64
@@ -175,7 +173,6 @@ class ActCompression(Callback):
         self.capture = ActivationCapture(self.config, pl_module, self.policy)
         self._step_peak = StepPeakMemory(trainer.strategy.root_device)
         ensure_kernels(trainer.strategy.root_device)
-        _warn_about_compiled_regions(pl_module)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -391,26 +388,6 @@ class ActCompression(Callback):
         self._next_calibration = int(state_dict.get("next_calibration", self._next_calibration))
         if self.adaptive and "policy" in state_dict:
             self.policy.load_state_dict(state_dict["policy"])
-
-
-def _warn_about_compiled_regions(pl_module: pl.LightningModule) -> None:
-    """Say once per fit which parts of the model the rules and the report cannot see into.
-
-    A ``torch.compile`` graph saves its tensors from one fused autograd function when it
-    runs: they are compressed, but no module or op inside the graph is seen saving them.
-    """
-    compiled = [name for name, module in pl_module.named_modules() if isinstance(module, OptimizedModule)]
-    if getattr(pl_module, "_compiler_ctx", None):  # trainer.fit(torch.compile(module)) compiles training_step
-        compiled.insert(0, "training_step")
-    if compiled:
-        rank_zero_warn(
-            f"lightning_act: {', '.join(compiled)} runs under torch.compile. What a compiled graph saves is "
-            "compressed when it runs, but as one block: rules by module name or by 'op:' and the per-module "
-            "report do not see the modules and ops inside it."
-        )
-        # torch warns on every compiled call that the capture's global module hooks also fire
-        # for the compiled wrapper; the capture expects that, and the warning above says what matters.
-        warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
 
 
 def _leading_rows(batch: Any, rows: int) -> Any:

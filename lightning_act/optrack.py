@@ -20,13 +20,14 @@ What it sees:
 * functions, not modules: ``nn.Conv2d``'s forward is reported as ``"conv2d"``. A custom
   ``torch.autograd.Function``'s ``apply`` is not a torch function: what it saves is
   reported as None (or as the enclosing function, if a torch function called it);
-* under ``torch.compile`` it steps aside: while Dynamo traces, the handler only calls the
-  function, so the traced graph is the one without the tracker and ``fullgraph=True``
-  still holds. A graph compiled with the default inductor backend (or any AOTAutograd
-  backend) saves from inside one fused autograd function when it runs, reported as None:
-  the capture engine compresses those tensors by the default rules. Dynamo guards on the
-  active modes, so a compiled module called both with and without the tracker is
-  compiled once for each.
+* under ``torch.compile`` Dynamo traces the handler as user code: a call is pushed and
+  popped around the function, so nothing of it reaches the graph and ``fullgraph=True``
+  still holds. (The handler has no branch on ``torch.compiler.is_compiling()``: with one,
+  torch 2.14 handed ``nn.GRU``'s eager fallback an ``int`` for ``input.dtype``.) What a
+  compiled graph saves is saved inside it, reported as None here; the capture decides
+  those tensors from the compiled backward graph instead
+  (:mod:`lightning_act.capture.compiled`). Dynamo guards on the active modes, so a
+  compiled module called both with and without the tracker is compiled once for each.
 
 Cost: one extra Python call per torch function, attribute accesses such as ``x.shape``
 included: 2.7 us per call on the CPU measured, and a ResNet-18 forward makes 109 calls, so
@@ -115,8 +116,6 @@ class OpTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():
-            return func(*args, **kwargs)
         self._calls.append(TrackedCall(_function_name(func), args, kwargs, func=func, autocast=autocast_state()))
         try:
             return func(*args, **kwargs)

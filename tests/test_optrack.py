@@ -129,7 +129,7 @@ def test_an_integer_tensor_that_is_not_the_index_argument_gets_no_bound():
     assert saved_index_range(TrackedCall("index_select", (source, 5, index), {}), index) is None  # bad dim
 
 
-def test_steps_aside_under_torch_compile():
+def test_leaves_no_trace_in_a_compiled_graph():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2))
     x = torch.randn(2, 3, 9, 9, requires_grad=True)

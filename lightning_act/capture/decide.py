@@ -111,6 +111,7 @@ __all__ = [
     "MinusInfinityStandIn",
     "Kind",
     "decide",
+    "decide_saved_node",
     "floor_bits",
     "normalized_row",
     "read_of",
@@ -148,7 +149,7 @@ _HARDTANH_DEFAULT_INTERVAL = (-1.0, 1.0)
 # (on a GPU it saves a boolean mask, stored losslessly like any other).
 _DROPOUT_OPS = frozenset({"dropout", "dropout_"})
 # Hand floors (see the module notes).
-_SOFTMAX_OPS = frozenset({"softmax", "softmax_"})
+_SOFTMAX_OPS = frozenset({"softmax", "softmax_", "_softmax"})
 _UNKNOWN_USE_BITS = _NONLINEAR_BITS
 # BatchNorm, as its functional form and as the aten ops it reaches (called directly).
 # Recurrent calls run their cells step by step under one call (``nn.GRU`` on the CPU): their
@@ -158,7 +159,8 @@ _UNKNOWN_USE_BITS = _NONLINEAR_BITS
 # ``y (1 - y)`` and ``1 - y**2``), 4 bits or more.
 _RECURRENT_OPS = frozenset({"gru", "lstm", "rnn_tanh", "rnn_relu"})
 _RECURRENT_READ = Read(Use.QUADRATIC)
-_BATCH_NORM_OPS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update"})
+_BATCH_NORM_OPS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
+                             "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training"})
 
 # Normalisations whose backward scales each row's noise by that row's 1 / std. A group of
 # the quantizer that spans two rows takes its range from the wider one, and the narrow
@@ -643,3 +645,94 @@ def decide(
         return Decision(kind, min_bits, interval=interval, layout=layout)
     return Decision(kind, min_bits, layout=layout)
 
+
+
+# ---------------------------------------------------------------- compiled graphs' saves
+# The aten ops (in a compiled forward) that normalise each row of their input on its own,
+# with the rows of their first argument: LayerNorm's last dimension, one GroupNorm group.
+_GRAPH_ROW_NORMALIZING_OPS = frozenset({"native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm"})
+_GRAPH_GROUP_NORMALIZING_OPS = frozenset({"native_group_norm", "group_norm"})
+
+
+def _graph_row(val: torch.Tensor, consumers: dict[str, tuple]) -> int | None:
+    """Values per row a normalisation reading ``val`` normalises on its own (the compiled
+    counterpart of :func:`normalized_row`): the last dimension for LayerNorm and RMSNorm,
+    one group's channels and map for GroupNorm."""
+    if consumers.keys() & _GRAPH_ROW_NORMALIZING_OPS and val.dim() >= 1:
+        return int(val.shape[-1])
+    for name in consumers.keys() & _GRAPH_GROUP_NORMALIZING_OPS:
+        arguments = consumers[name]
+        groups = arguments[6] if len(arguments) > 6 else None
+        if isinstance(groups, int) and val.dim() >= 2 and groups >= 1 and int(val.shape[1]) % groups == 0:
+            return int(val.shape[1]) // groups * math.prod(int(s) for s in val.shape[2:])
+    return None
+
+
+def _overlaps(val: torch.Tensor) -> bool:
+    """Whether two indices of ``val`` address one element (an expanded or unfolded view)."""
+    extent = 1
+    for size, stride in sorted(((int(n), int(s)) for n, s in zip(val.shape, val.stride()) if n != 1),
+                               key=lambda d: d[1]):
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
+
+
+def decide_saved_node(
+    val: object, read: Read, producer: str | None, consumers: dict[str, tuple], *, min_numel: int, group_size: int
+) -> Decision:
+    """How to store a tensor a compiled forward saves: the counterpart of :func:`decide` for
+    a node of a compiled graph, by the same floors and hand rules.
+
+    Args:
+        val: the node's fake value.
+        read: how the compiled backward reads it (:func:`~lightning_act.backward_reads.graph_reads`).
+        producer: the aten op that computed it (views looked through): where eager names the
+            op that saves an output (ReLU's, softmax's).
+        consumers: the forward ops that read it, each with its arguments: where eager names
+            the op that saves an input (BatchNorm's, LayerNorm's).
+        min_numel: smaller tensors are kept as they are.
+        group_size: the quantizer's group size.
+
+    Parameters, inputs and masks of another dtype than bool are kept (the compiled graph
+    saves parameters only where they are alive anyway). A stored pointwise derivative and
+    the ``-inf`` stand-in are eager's alone here: such a tensor gets the nonlinear floor.
+    """
+    if not isinstance(val, torch.Tensor) or val.layout != torch.strided or val.is_nested:
+        return Decision(Kind.KEEP)
+    numel = int(val.numel())
+    if numel < max(min_numel, 1):
+        return Decision(Kind.KEEP)
+    if _overlaps(val):
+        return Decision(Kind.KEEP)  # its dense copy would be larger (a view with gaps is copied)
+    if val.dtype == torch.bool:
+        return Decision(Kind.MASK, 1)
+    if val.dtype not in FLOAT_DTYPES:
+        return Decision(Kind.KEEP)
+    use = read.use
+    keeps_zeros = producer in _ZERO_EXACT_OPS
+    if keeps_zeros and read.thresholds == (0.0,) and (use is Use.REGION or read.value_use is not None):
+        # ReLU's output: the quantizer keeps its zeros, and so every comparison with 0.
+        floor = max(2, _FLOORS[read.value_use or Use.LINEAR])
+    elif use >= Use.SINGULAR or use is Use.REGION:
+        return Decision(Kind.KEEP)
+    elif read.derivative is not None:
+        floor = _NONLINEAR_BITS
+    elif producer in _SOFTMAX_OPS:
+        floor = _NONLINEAR_BITS
+    elif consumers.keys() & _BATCH_NORM_OPS:
+        floor = 1
+        if val.dim() >= 2 and numel // max(int(val.shape[1]), 1) < MIN_GROUP_SIZE:
+            return Decision(Kind.KEEP)  # BatchNorm's channels too short: see decide
+    else:
+        floor = _FLOORS[use]
+    row_group = None
+    row = _graph_row(val, consumers)
+    if row is not None:
+        # Groups within rows: the largest power of two dividing a row, up to group_size.
+        row_group = min(row & -row, group_size)
+        if row_group < MIN_GROUP_SIZE:
+            return Decision(Kind.KEEP)
+        floor = max(floor, _QUADRATIC_BITS)
+    return Decision(Kind.QUANTIZE, floor, keeps_zeros=keeps_zeros, row_group=row_group)

@@ -13,15 +13,25 @@ entered for the session.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.metadata
 import math
+import os
+import sys
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from lightning_act import backward_reads
+from lightning_act.capture import compiled as compiled_module
+from lightning_act.capture import decide as decide_module
+from lightning_act.capture.compiled import COMPILED_REGION, GraphHooks, Plan, SeedStream
 from lightning_act.capture.decide import Decision, Kind, decide
 from lightning_act.capture.records import (
     Compressed,
@@ -52,6 +62,13 @@ from lightning_act.policy import BitPolicy, FixedBits, SlotInfo
 from lightning_act.policy.estimators import GradientSensitivity, probe_sensitivities, update_weights
 
 _MASK64 = (1 << 64) - 1
+_VERSION = importlib.metadata.version("lightning_act")
+# What a compiled graph's plans depend on besides the settings: the code that makes them.
+# Torch's AOT autograd cache reuses a graph across processes by this name, so an upgraded
+# (or edited) library never runs a graph planned by another version.
+_PLANNING_CODE = hashlib.sha256(b"".join(
+    Path(module.__file__).read_bytes() for module in (backward_reads, decide_module, compiled_module)
+)).hexdigest()[:16]
 
 
 def splitmix64(x: int) -> int:
@@ -116,6 +133,8 @@ class ActivationCapture:
         print(capture.report.summary())
     """
 
+    _sessions_in_process = 0
+
     def __init__(
         self,
         config: CompressionConfig | None = None,
@@ -144,14 +163,15 @@ class ActivationCapture:
         self.estimator: GradientSensitivity | None = None
         self.report = CompressionReport()
         self.total_nonfinite_groups: torch.Tensor | int = 0
-        self._sessions = 0
         self._rules_checked = False
         self._active = False
         self._paused = False
         self._probe: Probe | None = None
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
-        self._module_hooks: weakref.finalize | None = None
         self._stack: list[str] = []
+        self._qualnames: dict[str, str] = {}
+        self._state: tuple[Any, str] = (None, "")
+        self._layout_optimization: bool | None = None  # inductor's, while this session turned it off
         self._reset_session(seed=0)
 
     # ----------------------------------------------------------------- session control
@@ -177,18 +197,21 @@ class ActivationCapture:
         """
         if self._active:
             raise RuntimeError("ActivationCapture.start() called twice without stop()")
-        self._sessions += 1
+        ActivationCapture._sessions_in_process += 1
         if seed is None:
-            seed = splitmix64(self.config.seed ^ splitmix64(self._sessions))
+            # Counted per process, not per capture: a plain ``with compress_activations()``
+            # block per step makes a new capture each step, and must not repeat its noise.
+            seed = splitmix64(self.config.seed ^ splitmix64(ActivationCapture._sessions_in_process))
         self._reset_session(seed)
         self.mark_external(inputs)
         if self.model is not None:
             self.mark_external(list(self.model.buffers()))
-        if self._module_hooks is None:
-            self._module_hooks = _SharedModuleHooks.acquire(self)
+        _SharedModuleHooks.register()
         _SharedModuleHooks.capturing.append(self)
         self._tracker.__enter__()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
+        SeedStream.restart(seed)
+        hooks = GraphHooks.of(self._settings_state())
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
         self._hooks.__enter__()
         self._active = True
         self._paused = False
@@ -205,6 +228,9 @@ class ActivationCapture:
             self._hooks = None
             _SharedModuleHooks.capturing.remove(self)
             self._stack.clear()
+        if self._layout_optimization is not None:
+            sys.modules["torch._inductor.config"].layout_optimization = self._layout_optimization
+            self._layout_optimization = None
         self._release_records()
         if not self._rules_checked and self.report.modules:
             # After the first session that saved anything: a rule that matched nothing is a typo.
@@ -212,6 +238,83 @@ class ActivationCapture:
             ops = set().union(*(memory.ops for memory in self.report.modules.values()))
             self.policy.rules.warn_unmatched(self._names.values(), ops)
         return self.report
+
+    def _settings_state(self) -> str:
+        """Everything a compiled graph's plans depend on, as one name (see :class:`GraphHooks`)."""
+        policy = self.policy
+        choices = getattr(policy, "assignment", None) or getattr(policy, "bits", None)
+        key = (id(policy), id(choices))  # an allocation is replaced, never changed in place
+        if self._state[0] != key:
+            described = repr((_VERSION, _PLANNING_CODE, self.config, type(policy).__name__, policy.rules.rules,
+                              sorted(choices.items()) if isinstance(choices, dict) else choices,
+                              getattr(policy, "default_bits", None)))
+            self._state = (key, f"lightning_act-{hashlib.sha256(described.encode()).hexdigest()[:24]}")
+        return self._state[1]
+
+    def module_name(self, qualname: str | None) -> str:
+        """The report's name of a module a compiled graph names relative to the compiled
+        module (``layer1.0.conv1``): the model's module whose name ends with it, where one does."""
+        if qualname is None:
+            return COMPILED_REGION
+        known = self._qualnames.get(qualname)
+        if known is None:
+            # A compiled submodule's modules are registered under its wrapper's ``_orig_mod``.
+            names = {n.replace("._orig_mod", "") for n in self._names.values()}
+            names = [n for n in names if n == qualname or n.endswith("." + qualname)]
+            known = self._qualnames[qualname] = names[0] if len(names) == 1 else (qualname or COMPILED_REGION)
+        return known
+
+    def compiling(self) -> None:
+        """A graph is being compiled in this session: turn off inductor's layout optimization
+        until the session stops. Inductor lowers the graph after the hooks are inlined, and
+        with it on, it stores a channels-last copy of every convolution's weight and input
+        for backward, which no hook sees: ResNet-18's forward kept 184.6 MiB compiled against
+        142.4 MiB eager, and 51.8 MiB at 2 bits instead of 9.5 MiB
+        (``benchmarks/compiled.py``). ``TORCHINDUCTOR_LAYOUT_OPTIMIZATION=1`` keeps it on."""
+        config = sys.modules.get("torch._inductor.config")
+        if config is None or self._layout_optimization is not None or "TORCHINDUCTOR_LAYOUT_OPTIMIZATION" in os.environ:
+            return
+        self._layout_optimization = config.layout_optimization
+        config.layout_optimization = False
+
+    def account_compiled(self, t: torch.Tensor, plan: Plan, parts: list[torch.Tensor]) -> None:
+        """Add a tensor a compiled graph packed (and the kept saves its plan carries) to the report."""
+        report = self.report
+        quantized = plan.form == "quant"
+        outcome = Outcome.COMPRESSED if quantized else Outcome.LOSSLESS
+        saved = t.numel() * t.element_size()
+        stored = sum(p.untyped_storage().nbytes() for p in parts)
+        memory = self._add_to_report(plan.module, outcome, plan.op, saved, stored)
+        if quantized:
+            memory.compressed += 1
+            memory.bits.add(plan.bits)
+            memory.codecs.add("quant")
+            stats = parts[1]
+            self._stats.append(stats)
+            if plan.slot not in self.slots:  # a graph from torch's cache: planned in another process
+                self.slots[plan.slot] = SlotInfo(plan.module, tuple(t.shape), t.numel(), stats.shape[0],
+                                                 t.element_size() * 8, plan.op, plan.min_bits)
+            self.report.slots[plan.slot] = SlotMemory(plan.module, tuple(t.shape), plan.bits, saved, stored, "quant",
+                                                      plan.op)
+            if self.estimator is not None:
+                self.estimator.observe_stats(plan.slot, plan.module, stats, plan.bits, plan.group_size)
+        else:
+            memory.codecs.add("mask")
+        for module, nbytes, kept in plan.kept:
+            self._add_to_report(module, Outcome(kept), None, nbytes, nbytes)
+
+    def _add_to_report(self, module: str, outcome: Outcome, op: str | None, saved: int, stored: int) -> ModuleMemory:
+        report = self.report
+        report.counts[outcome.value] = report.counts.get(outcome.value, 0) + 1
+        memory = report.modules.get(module)
+        if memory is None:
+            memory = report.modules[module] = ModuleMemory()
+        memory.note(outcome, op)
+        report.saved_bytes += saved
+        memory.saved_bytes += saved
+        report.stored_bytes += stored
+        memory.stored_bytes += stored
+        return memory
 
     def _release_records(self) -> None:
         """Count the non-finite groups stored so far and forget the records kept for sharing
@@ -225,12 +328,8 @@ class ActivationCapture:
         self._dedup = {}
 
     def close(self) -> None:
-        """Stop, and release the process-wide module hooks that the capture shares with others
-        (they are released anyway when the capture is garbage collected)."""
+        """Stop (the same as :meth:`stop`; kept for the context managers that close)."""
         self.stop()
-        if self._module_hooks is not None:
-            self._module_hooks()
-            self._module_hooks = None
 
     def pause(self) -> None:
         """Let saved tensors pass through untouched (for backward) until :meth:`resume`."""
@@ -601,37 +700,30 @@ def _hold_until_read(t: torch.Tensor) -> None:
 
 
 class _SharedModuleHooks:
-    """One pair of global module hooks, registered while any capture is open, that tells the
-    capturing captures which module is running.
+    """One pair of global module hooks that tells the capturing captures which module is
+    running: registered on the first capture's start and kept for the process.
 
-    Registered once, not per session: Dynamo guards a compiled module on the global hooks,
-    so hooks registered anew every step would recompile it every step (and run it eagerly
-    past the recompile limit). Inside a graph being compiled the hooks do nothing, so the
-    graph has no trace of them and its saves belong to the compiled module as one.
+    Dynamo guards a compiled module on the global hooks, so hooks registered anew for each
+    session (a ``with compress_activations(...)`` block per step) would recompile it every
+    step, and run it eagerly past the recompile limit. Outside a session they return at once.
+    Inside a graph being compiled they do nothing, so the graph has no trace of them: a
+    compiled graph's saves are attributed by the modules recorded in the graph instead.
     """
 
     capturing: list[ActivationCapture] = []
-    _open = 0
     _handles: list[torch.utils.hooks.RemovableHandle] = []
 
     @classmethod
-    def acquire(cls, capture: ActivationCapture) -> weakref.finalize:
-        """Hold the hooks for ``capture``: calling the result, or collecting ``capture``, releases them."""
-        if cls._open == 0:
-            cls._handles = [
-                nn.modules.module.register_module_forward_pre_hook(cls._enter),
-                nn.modules.module.register_module_forward_hook(cls._leave, always_call=True),
-            ]
-        cls._open += 1
-        return weakref.finalize(capture, cls._release)
-
-    @classmethod
-    def _release(cls) -> None:
-        cls._open -= 1
-        if cls._open == 0:
-            for handle in cls._handles:
-                handle.remove()
-            cls._handles = []
+    def register(cls) -> None:
+        if cls._handles:
+            return
+        cls._handles = [
+            nn.modules.module.register_module_forward_pre_hook(cls._enter),
+            nn.modules.module.register_module_forward_hook(cls._leave, always_call=True),
+        ]
+        # torch warns on every call of a compiled module while global hooks exist that they
+        # fire once more for the compiled wrapper; these hooks expect that.
+        warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
 
     @classmethod
     def _enter(cls, module: nn.Module, args: Any) -> None:
@@ -646,6 +738,14 @@ class _SharedModuleHooks:
             return
         for capture in cls.capturing:
             capture._leave_module(module, output)
+
+
+def capturing_now() -> ActivationCapture | None:
+    """The innermost capture capturing now, not paused (None outside any)."""
+    for capture in reversed(_SharedModuleHooks.capturing):
+        if not capture._paused:
+            return capture
+    return None
 
 
 class _CaptureContext:

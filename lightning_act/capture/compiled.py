@@ -1,0 +1,382 @@
+"""Compression inside ``torch.compile`` graphs.
+
+A compiled region saves for backward what the compiler's partitioner chose (often other
+tensors than eager autograd saves: a pre-activation from which backward recomputes the
+activation), from one fused function. Torch inlines saved-tensor hooks given as
+``fx.GraphModule`` s into the compiled graphs (AOTAutograd, so under every backend built on
+it: ``inductor``, ``aot_eager``): the pack hook is traced once per saved tensor at the end of
+the compiled forward, the unpack hook at the start of the compiled backward. While they are
+traced, torch tells them which forward node they pack and hands them the backward graph.
+
+:class:`GraphHooks` is such a pair, one per capture, made once (Dynamo guards a compiled
+graph on the identity of the hooks, so a new pair recompiles; the capture makes one when its
+policy changes). Per saved node, at compile time:
+
+* how the backward reads it comes from :func:`~lightning_act.backward_reads.graph_reads`,
+  the same analysis the eager path runs on each call's backward, and what that allows from
+  :func:`~lightning_act.capture.decide.decide_saved_node`; the bits from the capture's
+  policy and rules, by the module in the node's ``nn_module_stack``;
+* the decision becomes a *plan*, a string constant baked into the graph, which the two ops
+  below parse (once per process and plan). A plan, not a table index, so a graph loaded
+  from torch's AOT autograd cache in a new process still runs.
+
+At run time no hook runs: ``lightning_act::pack_saved`` and ``lightning_act::unpack_saved``
+are graph ops. Pack quantizes with a fresh seed every call, from the library's own stream
+(never torch's generator), and counts what it stored in the capturing session's report;
+unpack returns a tensor with exactly the sizes and strides the graph recorded (inductor
+asserts them). Boolean masks are packed 8 to a byte. A tensor kept exact is handed back to
+the graph as it is.
+
+Outside a compiled region (a model not compiled, a graph break) the same hooks are called
+eagerly with no graph: they hand the tensor to the capture's eager path.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import math
+import re
+import weakref
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+
+import torch
+import torch.fx as fx
+
+from lightning_act import ops
+from lightning_act.backward_reads import Read, Use, graph_reads
+from lightning_act.capture.decide import Kind, decide_saved_node
+from lightning_act.capture.records import unpack as unpack_eager
+from lightning_act.capture.report import Outcome
+from lightning_act.ops.layout import pack_bit_fields, unpack_bit_fields
+from lightning_act.policy import SlotInfo
+
+if TYPE_CHECKING:
+    from lightning_act.capture.engine import ActivationCapture
+
+__all__ = ["COMPILED_REGION", "GraphHooks", "SeedStream", "plan_graph"]
+
+#: Module name of saves with no ``nn_module_stack`` (functional code in a compiled region).
+COMPILED_REGION = "(compiled)"
+
+_EAGER, _KEPT, _PACKED = "eager", "kept", "packed"
+
+
+class Plan(NamedTuple):
+    """How one saved node of a compiled graph is stored (baked into the graph as a string)."""
+
+    form: str  # "quant" or "mask"
+    bits: int
+    group_size: int
+    module: str
+    slot: str
+    op: str | None
+    min_bits: int
+    #: ``(module, bytes, outcome)`` of the graph's saves kept as they are: counted in the
+    #: report when this plan's tensor is packed (the graph's first packed save carries them).
+    kept: tuple[tuple[str, int, str], ...] = ()
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(plan: str) -> Plan:
+    return Plan(*ast.literal_eval(plan))
+
+
+class SeedStream:
+    """The rounding seeds of compiled graphs: a counter mixed with the session's seed, so
+    each call packs with fresh noise without a seed baked into the graph or a draw from
+    torch's generator (which would shift the user's random stream)."""
+
+    base = 0
+    count = 0
+
+    @classmethod
+    def restart(cls, seed: int) -> None:
+        cls.base, cls.count = seed, 0
+
+    @classmethod
+    def next(cls) -> int:
+        from lightning_act.capture.engine import splitmix64
+
+        cls.count += 1
+        return splitmix64(cls.base + cls.count) >> 1
+
+
+# --------------------------------------------------------------------------- the graph ops
+def _memory_order(size: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether a tensor of these sizes and strides fills one run of memory with no gap and
+    no overlap (contiguous, channels-last, any permutation of dense): then its memory is
+    stored in order and the tensor comes back as a strided view of what is decoded."""
+    expected = 1
+    for length, step in sorted(((s, t) for s, t in zip(size, stride) if s != 1), key=lambda d: d[1]):
+        if step != expected:
+            return False
+        expected *= length
+    return True
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s values in the order :func:`_restore` puts them back in."""
+    if _memory_order(x.shape, x.stride()):
+        return x.as_strided((x.numel(),), (1,))
+    return x.contiguous().view(-1)
+
+
+def _restore(flat: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
+    if _memory_order(size, stride):
+        return flat.as_strided(size, stride)
+    return torch.empty_strided(size, stride, dtype=flat.dtype, device=flat.device).copy_(flat.view(size))
+
+
+def _encode(x: torch.Tensor, plan: Plan, seed: int) -> list[torch.Tensor]:
+    flat = _flat(x.detach())
+    if plan.form == "mask":
+        return [pack_bit_fields(flat.view(torch.uint8), 1, planar=True)]
+    codes, stats = torch.ops.lightning_act.quantize_pack(flat, plan.bits, plan.group_size, seed)
+    return [codes, stats]
+
+
+@torch.library.custom_op("lightning_act::pack_saved", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
+    """Store a tensor a compiled forward saves, as ``plan`` says; fresh noise each call."""
+    parsed = _parse(plan)
+    ops.ensure_kernels(input.device)
+    parts = _encode(input, parsed, SeedStream.next())
+    capture = _capturing()
+    if capture is not None:
+        capture.account_compiled(input, parsed, parts)
+    return parts
+
+
+@_pack_saved.register_fake
+def _pack_saved_fake(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
+    return _encode(input, _parse(plan), 0)
+
+
+def _decode(parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
+            plan: Plan) -> torch.Tensor:
+    numel = math.prod(size)
+    if plan.form == "mask":
+        flat = unpack_bit_fields(parts[0], 1, planar=True, numel=numel).view(torch.bool)
+    else:
+        flat = torch.ops.lightning_act.unpack_dequantize(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype)
+    return _restore(flat, size, stride)
+
+
+@torch.library.custom_op("lightning_act::unpack_saved", mutates_args=())
+def _unpack_saved(
+    parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int], dtype: torch.dtype, plan: str
+) -> torch.Tensor:
+    """The tensor :func:`_pack_saved` stored, with the sizes and strides it had."""
+    ops.ensure_kernels(parts[0].device)
+    return _decode(parts, size, stride, dtype, _parse(plan))
+
+
+@_unpack_saved.register_fake
+def _unpack_saved_fake(parts, size, stride, dtype, plan) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device=parts[0].device)
+
+
+# --------------------------------------------------------------------------- the hook pair
+def _capturing() -> ActivationCapture | None:
+    from lightning_act.capture.engine import capturing_now
+
+    return capturing_now()
+
+
+def _hook_context() -> dict | None:
+    """What torch tells a hook while it is inlined into a compiled graph; None when called eagerly."""
+    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+
+    return _get_saved_tensor_hook_context()
+
+
+@torch.fx.wrap
+def _pack(x: torch.Tensor, state: str) -> Any:
+    capture = _capturing()
+    context = _hook_context()
+    if context is None:  # called eagerly: an op outside any compiled region
+        return (_KEPT, x.detach()) if capture is None else (_EAGER, capture._pack(x))
+    plan = None if capture is None else GraphHooks.of(state).plan(context, capture)
+    if plan is None:
+        return (_KEPT, x)
+    return (_PACKED, torch.ops.lightning_act.pack_saved(x, plan), list(x.shape), list(x.stride()), x.dtype, plan)
+
+
+@torch.fx.wrap
+def _unpack(packed: Any, state: str) -> torch.Tensor:
+    tag = packed[0]
+    if tag == _EAGER:
+        return unpack_eager(packed[1])
+    if tag == _KEPT:
+        return packed[1]
+    _, parts, size, stride, dtype, plan = packed
+    return torch.ops.lightning_act.unpack_saved(parts, size, stride, dtype, plan)
+
+
+class _Hook(fx.GraphModule):
+    """A hook graph. Called eagerly it runs its graph directly: through ``nn.Module.__call__``
+    the capture's global module hooks would see it as a module the model runs."""
+
+    def __call__(self, *args):
+        return self.forward(*args)
+
+
+def _pack_function(x):
+    return _pack(x, "")
+
+
+def _unpack_function(packed):
+    return _unpack(packed, "")
+
+
+def _hook_module(function, state: str) -> _Hook:
+    traced = fx.symbolic_trace(function)
+    for node in traced.graph.nodes:
+        if node.op == "call_function":
+            node.args = (node.args[0], state)
+            node.meta["user_cache_hash"] = state  # what torch's AOT autograd cache keys it by
+    traced.recompile()
+    return _Hook(traced, traced.graph)
+
+
+class GraphHooks:
+    """The saved-tensor hook pair for one state of the settings (see the module), shared by
+    every capture with those settings: a plain ``with compress_activations(...)`` block per
+    step makes a new capture each time, and must not recompile each time.
+
+    ``state`` names everything the plans depend on (the library version, the config, the
+    rules and the policy's allocation). Torch's AOT autograd cache reuses a graph only for
+    the same state.
+    """
+
+    _made: dict[str, GraphHooks] = {}
+
+    def __init__(self, state: str):
+        self.state = state
+        self.pack = _hook_module(_pack_function, state)
+        self.unpack = _hook_module(_unpack_function, state)
+        #: Per compiled forward graph, the plan of each saved node (None: kept as it is).
+        self._plans: weakref.WeakKeyDictionary[fx.Graph, dict[str, str | None]] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, state: str) -> GraphHooks:
+        hooks = cls._made.get(state)
+        if hooks is None:
+            hooks = cls._made[state] = GraphHooks(state)
+        return hooks
+
+    def plan(self, context: dict, capture: ActivationCapture) -> str | None:
+        """The plan of the node torch is inlining the pack hook for (planned per graph)."""
+        capture.compiling()
+        forward = context["_fw_graph"]
+        plans = self._plans.get(forward)
+        if plans is None:
+            plans = self._plans[forward] = plan_graph(forward, context["_bw_graph"], capture)
+        return plans.get(context["_node"].name)
+
+
+# ----------------------------------------------------------------- planning one graph
+_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "squeeze",
+                    "unsqueeze", "select", "slice", "alias", "detach", "clone", "as_strided"})
+_QUALNAME_ACCESS = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]([^'\"]+)['\"]\]|\[(\d+)\]")
+
+
+def _op_name(node: fx.Node) -> str | None:
+    """The aten op a node of a compiled graph computes (before decompositions)."""
+    target = node.meta.get("original_aten") or node.target
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet, "__name__", None) if packet is not None else None
+
+
+def producer(node: fx.Node) -> str | None:
+    """The op that computed a saved node, looking through views of its result."""
+    while True:
+        name = _op_name(node)
+        if name not in _VIEWS or not node.all_input_nodes:
+            return name
+        node = node.all_input_nodes[0]
+
+
+def consumers(node: fx.Node) -> dict[str, tuple]:
+    """The forward ops that read a saved node, with their arguments, looking through views of it."""
+    names, stack, seen = {}, list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        name = _op_name(user)
+        if name in _VIEWS:
+            stack.extend(user.users)
+        elif name is not None:
+            names[name] = user.args
+    return names
+
+
+def module_qualname(node: fx.Node) -> str | None:
+    """The qualified name, relative to the compiled module, of the innermost module that ran
+    the node (``layer1.0.conv1``), from Dynamo's ``nn_module_stack``."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    qualname = str(list(stack.values())[-1][0])
+    qualname = re.sub(r"^L\[['\"]\w+['\"]\]", "", qualname)
+    qualname = _QUALNAME_ACCESS.sub(lambda m: "." + next(g for g in m.groups() if g is not None), qualname)
+    parts = [p for p in qualname.split(".") if p and p != "_orig_mod"]
+    return ".".join(parts) if parts else ""
+
+
+def _hinted(val: Any) -> Any:
+    """A saved node's value with its sizes as traced (a meta tensor): deciding on symbolic
+    sizes under ``dynamic=True`` would guard on them, and recompile for every batch size."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    if not isinstance(val, torch.Tensor) or val.layout != torch.strided or val.is_nested:
+        return val
+    size = [optimization_hint(s, fallback=1) for s in val.shape]
+    stride = [optimization_hint(s, fallback=1) for s in val.stride()]
+    return torch.empty_strided(size, stride, dtype=val.dtype, device="meta")
+
+
+def plan_graph(forward: fx.Graph, backward: fx.Graph, capture: ActivationCapture) -> dict[str, str | None]:
+    """The plan of every tensor ``forward`` saves for ``backward`` (None: kept as it is)."""
+    reads = graph_reads(backward)
+    outputs = forward.output_node().args[0]
+    saved = [n for n in outputs if isinstance(n, fx.Node) and n.name in reads and n.op != "placeholder"]
+    plans: dict[str, Plan | None] = {}
+    kept: list[tuple[str, int, str]] = []
+    per_module: dict[str, int] = {}
+    for node in saved:
+        val = _hinted(node.meta.get("val"))
+        module = capture.module_name(module_qualname(node))
+        op = producer(node)
+        decision = decide_saved_node(
+            val, reads.get(node.name, Read(Use.EXACT)), op, consumers(node),
+            min_numel=capture.config.min_numel, group_size=capture.config.group_size,
+        )
+        plan, outcome = None, Outcome.STATISTIC if decision.kind is Kind.STATISTIC else Outcome.KEPT
+        if decision.kind is Kind.MASK:
+            plan = Plan("mask", 1, 0, module, "", op, 1)
+        elif decision.kind is Kind.QUANTIZE:
+            index = per_module[module] = per_module.get(module, -1) + 1
+            slot = f"{module}#{index}"
+            numel = val.numel()
+            group_size = decision.row_group or capture.config.group_size
+            info = SlotInfo(module=module, shape=tuple(val.shape), numel=numel,
+                            groups=-(-numel // group_size), element_bits=val.element_size() * 8, op=op,
+                            min_bits=decision.min_bits)
+            capture.slots[slot] = info
+            bits = capture.policy.bits_for(slot, info)
+            if bits is None:
+                outcome = Outcome.EXACT  # a rule or the policy says so
+            else:
+                plan = Plan("quant", bits, group_size, module, slot, op, decision.min_bits)
+        if plan is None and isinstance(val, torch.Tensor):
+            kept.append((module, val.numel() * val.element_size(), outcome.value))
+        plans[node.name] = plan
+    first = next((name for name, plan in plans.items() if plan is not None), None)
+    if first is not None:
+        plans[first] = plans[first]._replace(kept=tuple(kept))
+    return {name: None if plan is None else repr(tuple(plan)) for name, plan in plans.items()}
+

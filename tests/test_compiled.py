@@ -1,0 +1,327 @@
+"""Compression inside ``torch.compile`` graphs: decided from the compiled backward graph,
+packed by graph ops, fresh noise every step, no recompiles, the recorded strides back, and
+the same results through the Lightning callback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+
+from lightning_act import ActCompression, ActivationCapture, CompressionConfig, compress_activations
+from lightning_act.backward_reads import Use, graph_reads
+from lightning_act.capture.compiled import Plan
+from lightning_act.policy import FixedBits
+from tests.test_reliability import MLP, act_of, rel_err, seeded, trainer
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def small_sequential() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10))
+
+
+class ConvNet(nn.Module):
+    """Conv, BatchNorm, ReLU (its mask), a residual add, pooling: what CNNs save."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.conv2 = nn.Conv2d(16, 16, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = F.relu(self.bn2(self.conv2(h)) + h)
+        return self.head(h.mean((2, 3)))
+
+
+def grads_of(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def step(model, run, x, y, **settings):
+    model.zero_grad()
+    with compress_activations(model, inputs=x, **settings) as capture:
+        loss = F.cross_entropy(run(x), y)
+    loss.backward()
+    return capture.report, grads_of(model)
+
+
+def exact_grads(model, run, x, y):
+    model.zero_grad()
+    F.cross_entropy(run(x), y).backward()
+    return grads_of(model)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_graph_is_compressed_as_eager_decides(backend):
+    """Every tensor the graph saves is decided from the compiled backward graph: the same
+    count and bytes as eager on an MLP, module rules apply inside the graph, 8 bits close."""
+    model = seeded(small_sequential)
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    exact = exact_grads(model, model, x, y)
+    eager, _ = step(model, model, x, y, bits=8)
+    compiled_run = torch.compile(model, backend=backend)
+    compiled, grads = step(model, compiled_run, x, y, bits=8)
+    assert compiled.counts["compressed"] == eager.counts["compressed"] == 3
+    assert {"1", "2", "3"} <= set(compiled.modules)  # by the modules inside the graph
+    assert rel_err(grads, exact) < 1e-2
+    assert compiled.ratio > 3.5
+    capture = ActivationCapture(CompressionConfig(bits=8), model, FixedBits(8, {"2": "exact"}))
+    with capture.capturing(inputs=x):
+        loss = F.cross_entropy(compiled_run(x), y)
+    loss.backward()
+    assert capture.report.counts["exact"] == 1
+    assert capture.report.modules["2"].bits_label() == "-"
+
+
+def test_two_steps_store_different_noise_without_recompiling():
+    """The seed is not a graph constant: each step rounds with fresh noise, so at 2 bits the
+    mean of 16 steps' gradients (same weights and batch) is far closer than one step's."""
+    model = seeded(ConvNet)
+    run = torch.compile(model, backend="aot_eager")
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    exact = exact_grads(model, run, x, y)
+    step(model, run, x, y, bits=2)  # compiled with the hooks: one graph more than without
+    graphs = counters["stats"]["unique_graphs"]
+    steps = [step(model, run, x, y, bits=2)[1] for _ in range(16)]
+    assert counters["stats"]["unique_graphs"] == graphs  # the plain API's capture per step: no new graph
+    assert not torch.equal(steps[0], steps[1])
+    one = sum(rel_err(g, exact) for g in steps) / len(steps)
+    mean = rel_err(torch.stack(steps).mean(0), exact)
+    assert one / mean > 3.0, (one, mean)  # 4 for unbiased noise
+
+
+def test_a_cnn_graph_keeps_bn_inputs_relu_outputs_and_masks_small():
+    """What the partitioner saves of conv-BN-ReLU: BatchNorm's input and ReLU's output at the
+    policy's bits (ReLU's zeros exact), boolean masks at 1 bit, statistics exact."""
+    model = seeded(ConvNet)
+    run = torch.compile(model, backend="inductor")
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    exact = exact_grads(model, run, x, y)
+    report, grads = step(model, run, x, y, bits=8, min_numel=256)
+    assert rel_err(grads, exact) < 1e-2
+    report, _ = step(model, run, x, y, bits=2, min_numel=256)
+    slots = {slot.op for slot in report.slots.values()}
+    assert {"convolution", "relu"} <= slots
+    assert report.ratio > 10, report.summary()
+
+
+def test_a_graph_break_splits_the_work_between_the_graphs_and_the_eager_path():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 256), nn.Linear(256, 10)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            torch._dynamo.graph_break()
+            return self.b(h * h.sigmoid())
+
+    model = seeded(Broken)
+    run = torch.compile(model, backend="aot_eager")
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    exact = exact_grads(model, run, x, y)
+    report, grads = step(model, run, x, y, bits=8, min_numel=256)
+    graphs = counters["stats"]["unique_graphs"]
+    assert rel_err(grads, exact) < 1e-2
+    assert report.counts["compressed"] >= 3
+    assert step(model, run, x, y, bits=8, min_numel=256)[0].counts == report.counts
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_dynamic_shapes_compress_every_batch_size():
+    model = seeded(small_sequential)
+    run = torch.compile(model, backend="aot_eager", dynamic=True)
+    for batch in (32, 48, 64):
+        x, y = torch.randn(batch, 64), torch.randint(0, 10, (batch,))
+        report, grads = step(model, run, x, y, bits=8)
+        assert report.counts["compressed"] == 3
+        # The sizes of this batch, not the traced one.
+        assert sum(slot.saved_bytes for slot in report.slots.values()) == 3 * batch * 512 * 4
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        assert rel_err(grads, grads_of(model)) < 1e-2
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("make", ["strided", "channels_last", "expanded"])
+def test_the_backward_gets_each_saved_tensor_with_its_recorded_strides(make):
+    """Inductor asserts the size and strides of what it saved: a view with gaps (a class
+    token), a channels-last map, an expanded tensor (kept) all come back as recorded."""
+
+    class Saves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+            self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x):
+            if make == "strided":
+                tokens = self.proj(x.view(16, 65, 32))
+                return (tokens[:, 0] * tokens[:, 0]).sum()
+            if make == "channels_last":
+                h = self.conv(x.view(16, 8, 13, 20).to(memory_format=torch.channels_last))
+                return (h * h).sum()
+            h = self.proj(x.view(16, 65, 32)).sum(1, keepdim=True).expand(16, 65, 32)
+            return (h * h).sum()
+
+    model = seeded(Saves)
+    run = torch.compile(model, backend="inductor")
+    x = torch.randn(16, 65 * 32)
+    model.zero_grad()
+    run(x).backward()
+    exact = grads_of(model)
+    for bits in (2, 4, 8):
+        model.zero_grad()
+        with compress_activations(model, bits=bits, min_numel=256):
+            loss = run(x)
+        loss.backward()
+        assert torch.isfinite(grads_of(model)).all()
+    assert rel_err(grads_of(model), exact) < 2e-2
+
+
+def test_the_graph_analysis_reads_backward_kernels_decomposed():
+    """``aot_eager`` leaves ``native_batch_norm_backward`` whole in the compiled backward; the
+    analysis decomposes it as the eager trace does, and reads BatchNorm's input as quadratic
+    (not as an unknown op, which would keep it exact)."""
+    seen = {}
+
+    def capture_backward(gm, example_inputs):
+        return gm
+
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    def backend(gm, example_inputs):
+        def backward(bw, inputs):
+            seen.update(graph_reads(bw.graph))
+            return bw
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=capture_backward, bw_compiler=backward)
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+    torch.compile(model, backend=backend)(torch.randn(2, 3, 8, 8)).sum().backward()
+    uses = {read.use for read in seen.values()}
+    assert Use.QUADRATIC in uses, seen  # BatchNorm's input
+    assert Use.SINGULAR not in {read.use for name, read in seen.items() if name.startswith("convolution")}
+
+
+def test_pack_and_unpack_ops_round_trip_masks_exactly_and_floats_within_a_step():
+    torch.manual_seed(0)
+    mask = torch.randn(33, 70) > 0.3
+    plan = repr(tuple(Plan("mask", 1, 0, "m", "", None, 1)))
+    parts = torch.ops.lightning_act.pack_saved(mask, plan)
+    assert parts[0].numel() == -(-mask.numel() // 8)
+    back = torch.ops.lightning_act.unpack_saved(parts, list(mask.shape), list(mask.stride()), mask.dtype, plan)
+    assert torch.equal(back, mask)
+    x = torch.randn(40, 64, 8).transpose(0, 1)  # dense in memory, not contiguous
+    plan = repr(tuple(Plan("quant", 8, 256, "m", "m#0", None, 1)))
+    parts = torch.ops.lightning_act.pack_saved(x, plan)
+    back = torch.ops.lightning_act.unpack_saved(parts, list(x.shape), list(x.stride()), x.dtype, plan)
+    assert back.stride() == x.stride()
+    assert (back - x).abs().max() <= (x.amax() - x.amin()) / 255 * 1.01
+    again = torch.ops.lightning_act.pack_saved(x, plan)
+    assert not torch.equal(again[0], parts[0])  # fresh noise each call
+
+
+class CompiledInside(MLP):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.compile(self.net, backend="aot_eager")
+
+
+def test_a_compiled_submodule_trains_under_the_callback():
+    model = seeded(CompiledInside)
+    fit = trainer(max_steps=10, callbacks=[ActCompression(bits=8, rules={"net.1": "exact"})])
+    fit.fit(model)
+    report = act_of(fit).last_report
+    # Attributed to the modules inside the graph, by their names in the LightningModule.
+    assert {slot.module for slot in report.slots.values()} <= {f"net.{i}" for i in range(5)}
+    assert report.counts["compressed"] >= 2
+    # The rule on net.1 (the GELU, which computes the tensor the graph saves) reaches inside it.
+    assert report.counts["exact"] == 1
+    assert counters["stats"]["unique_graphs"] == 1
+    assert model.losses[-1] < model.losses[0]
+
+
+class QuietMLP(MLP):
+    """Its training_step has no graph break (``loss.item()``): the losses are read after it."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+
+def test_a_compiled_lightning_module_trains_under_the_callback():
+    """``trainer.fit(torch.compile(module))``: Lightning compiles the whole training_step."""
+    model = seeded(QuietMLP)
+    fit = trainer(max_steps=10, callbacks=[ActCompression(bits=2)])
+    fit.fit(torch.compile(model, backend="aot_eager"))
+    report = act_of(fit).last_report
+    assert report.counts["compressed"] >= 2
+    # GELU's output at 2 bits, tanh's at 4 (quadratic), GELU's input at 8 (read through erf).
+    assert report.ratio > 6
+    assert counters["stats"]["unique_graphs"] == 1
+    assert model.losses[-1] < model.losses[0]
+
+
+_CACHED_RUN = """
+import torch, torch.nn.functional as F
+from torch._dynamo.utils import counters
+from lightning_act import compress_activations
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 10))
+run = torch.compile(model, backend="inductor")
+x = torch.randn(64, 64)
+with compress_activations(model, bits=2) as capture:
+    loss = run(x).square().mean()
+loss.backward()
+print(capture.report.counts["compressed"], counters["aot_autograd"]["autograd_cache_hit"])
+"""
+
+
+@pytest.mark.slow
+def test_a_new_process_loads_the_graph_from_the_aot_autograd_cache(tmp_path):
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+           "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+    runs = [subprocess.run([sys.executable, "-c", _CACHED_RUN], env=env, capture_output=True, text=True,
+                           timeout=600) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    (first_compressed, first_hits), (second_compressed, second_hits) = (
+        map(int, run.stdout.split()[-2:]) for run in runs)
+    assert first_compressed == second_compressed >= 1
+    assert first_hits == 0 and second_hits == 1
+
+
+def test_a_compiled_gru_runs_with_the_op_tracker_active():
+    """Dynamo does not trace RNNs: it runs ``nn.GRU`` eagerly. With the op tracker active that
+    fallback failed with ``zeros(): argument 'dtype' must be torch.dtype, not int``."""
+    model = seeded(nn.GRU, 32, 64, num_layers=2, batch_first=True)
+    run = torch.compile(model, backend="aot_eager")
+    x = torch.randn(8, 16, 32)
+    run(x)[0].square().mean().backward()
+    exact = grads_of(model)
+    model.zero_grad()
+    with compress_activations(model, bits=8):
+        loss = run(x)[0].square().mean()
+    loss.backward()
+    assert rel_err(grads_of(model), exact) < 1e-2
