@@ -406,19 +406,22 @@ def _downstream(target: fx.Node) -> list[fx.Node]:
     return sorted(found, key=position.__getitem__)
 
 
-def classify(target: fx.Node, tangents: Iterable[fx.Node] = (), saved: Collection[fx.Node] = ()) -> Read:
+def classify(target: fx.Node, tangents: Iterable[fx.Node] = (), saved: Collection[fx.Node] = (), *,
+             compiled: bool = False) -> Read:
     """How the graph of ``target`` reads it, from ``target`` to the graph's outputs.
 
     ``target`` is a saved tensor's node in an aten graph (a read marker in a traced
     backward, or a placeholder of a compiled backward); ``tangents`` are the nodes of the
     incoming gradients, which a pointwise derivative is checked against; ``saved`` are the
-    graph's saved tensors' nodes (a set, shared by every call for one graph).
+    graph's saved tensors' nodes (a set, shared by every call for one graph). ``compiled``:
+    the graph is a compiled region's whole backward, where the gradient a pointwise op's
+    backward multiplies may be computed from the tangents.
     """
     tangents = list(tangents)
     walk = _Walk(target, saved)
     read = walk.result(_outputs(target.graph))
     if Use.QUADRATIC <= read.use <= Use.SINGULAR and not walk.compared:
-        derivative = PointwiseDerivative.find(target, tangents, walk)
+        derivative = PointwiseDerivative.find(target, tangents, walk, compiled)
         if derivative is not None:
             return Read(Use.LINEAR, derivative=derivative)
     return read
@@ -448,16 +451,50 @@ class PointwiseDerivative:
 
     for_its_op_alone = True
 
-    def __init__(self, derivative: fx.GraphModule, xs: torch.Tensor, hs: torch.Tensor):
+    def __init__(self, derivative: Callable, xs: torch.Tensor, hs: torch.Tensor, dtype: torch.dtype,
+                 source: str | None = None):
         self._h = derivative
         self._xs, self._hs = xs, hs  # float64 on the CPU, hs ascending
+        self._dtype = dtype
+        self._source = source
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
-    def find(target: fx.Node, tangents: list[fx.Node], walk: _Walk) -> PointwiseDerivative | None:
+    def find(target: fx.Node, tangents: list[fx.Node], walk: _Walk, compiled: bool = False
+             ) -> PointwiseDerivative | None:
         """The derivative of the pointwise op whose backward reads ``target``, if it is one."""
-        found = _pointwise_backward(target, tangents, walk)
+        found = _pointwise_backward(target, tangents, walk, compiled)
         return None if found is None else _branch(*found)
+
+    @property
+    def source(self) -> tuple[str, str] | None:
+        """``h`` as Python source over aten ops, with the dtype it computes in: what rebuilds
+        this derivative in another process (:meth:`from_source`; a compiled graph's plan
+        carries it). None where ``h`` holds anything but ops and numbers."""
+        if self._source is not None:
+            return self._source, str(self._dtype)
+        if not isinstance(self._h, fx.GraphModule) or any(n.op == "get_attr" for n in self._h.graph.nodes):
+            return None
+        code = self._h.code
+        return (code, str(self._dtype)) if PointwiseDerivative.from_source(code, str(self._dtype)) else None
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def from_source(code: str, dtype: str) -> PointwiseDerivative | None:
+        """The derivative :attr:`source` describes (None if it does not rebuild)."""
+        namespace: dict[str, Any] = {"torch": torch, "inf": float("inf"), "nan": float("nan"), "device": torch.device}
+
+        def build() -> PointwiseDerivative | None:
+            exec(code, namespace)  # defines forward(self, x, grad)
+            return _branch(functools.partial(namespace["forward"], None), getattr(torch, dtype.split(".")[-1]))
+
+        try:  # in a thread of its own: asked while a compiled graph is traced, under fake tensors
+            found = _in_fresh_thread(build)
+        except Exception:
+            return None
+        if found is not None:
+            found._source = code
+        return found
 
     def store(self, x: torch.Tensor) -> tuple[torch.Tensor, PointwiseDerivative]:
         """What to encode in place of ``x``, and what restores it at unpack."""
@@ -517,16 +554,14 @@ def _chunks(source: torch.Tensor, target: torch.Tensor):
 _ELEMENTWISE_COPIES = frozenset({"alias", "clone", "detach", "where"})
 
 
-def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk):
+def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk, compiled: bool = False):
     """``(x, grad) -> grad * h(x)`` as a graph of its own, with the dtype it computes in, when
     every node of the backward computed from ``target`` is a pointwise op of ``target``, one
     gradient and scalar constants, ending in one output; None otherwise."""
     val = target.meta.get("val")
     if not isinstance(val, torch.Tensor) or not tangents:
         return None
-    results = [o for o in _outputs(target.graph) if isinstance(o, fx.Node) and o in walk.degree]
-    if len(results) != 1:
-        return None
+    outputs = [o for o in _outputs(target.graph) if isinstance(o, fx.Node)]
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {target: graph.placeholder("x")}
     grad = graph.placeholder("grad")
@@ -543,24 +578,38 @@ def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk):
 
     def bring(node: fx.Node) -> bool:
         """Map an input from outside the reached nodes: the gradient, a scalar constant, or
-        a pointwise function of those."""
+        a pointwise function of those. In a compiled backward the gradient reaching the
+        pointwise op is computed from the tangents (a matmul's): any one value of the
+        target's shape computed without the target serves as it (the factor it multiplies
+        is what is checked below)."""
         if node in env:
             return True
         if node in tangents:
             used_tangents.add(node)
             env[node] = grad
             return True
-        if node.op != "call_function" or node in walk.reached:
+        if node in walk.reached:
             return False
-        constant = not node.all_input_nodes and isinstance(node.target, torch._ops.OpOverload)
-        if not constant and not (pointwise(node) and all(bring(a) for a in node.all_input_nodes)):
-            return False
-        env[node] = graph.node_copy(node, env.__getitem__)
-        return True
+        constant = (node.op == "call_function" and not node.all_input_nodes
+                    and isinstance(node.target, torch._ops.OpOverload))
+        if constant or (node.op == "call_function" and pointwise(node) and all(bring(a) for a in node.all_input_nodes)):
+            env[node] = graph.node_copy(node, env.__getitem__)
+            return True
+        other = node.meta.get("val")
+        if compiled and isinstance(other, torch.Tensor) and other.shape == val.shape:
+            used_tangents.add(node)
+            env[node] = grad
+            return True
+        return False
 
-    for node in walk.reached:
-        if not pointwise(node):
-            return None
+    if compiled:
+        region, results = _pointwise_region(target, walk, outputs, pointwise)
+    else:  # one call's backward: all of it
+        region = walk.reached if all(pointwise(node) for node in walk.reached) else []
+        results = [o for o in outputs if o in walk.degree]
+    if not region or len(results) != 1:
+        return None
+    for node in region:
         for arg in node.all_input_nodes:
             arg_val = arg.meta.get("val")
             if not bring(arg) or (isinstance(arg_val, torch.Tensor) and arg_val.dim() and arg_val.shape != val.shape):
@@ -589,7 +638,32 @@ def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk):
     return gm, dtype
 
 
-def _branch(gm: fx.GraphModule, dtype: torch.dtype) -> PointwiseDerivative | None:
+def _pointwise_region(target: fx.Node, walk: _Walk, outputs: list[fx.Node], pointwise: Callable
+                      ) -> tuple[list[fx.Node], list[fx.Node]]:
+    """In a compiled region's whole backward: the pointwise nodes computed from ``target``
+    before anything else reads it, and the one of them the rest of the backward reads
+    (``grad * h(x)``), provided the rest reads it linearly and reads ``target`` through it
+    alone. ``([], [])`` otherwise."""
+    reached = set(walk.reached)
+    region, inside = [], {target}
+    for node in walk.reached:
+        if pointwise(node) and all(a in inside or a not in reached for a in node.all_input_nodes):
+            region.append(node)
+            inside.add(node)
+    leaving = [n for n in region if n in outputs or any(u not in inside for u in n.users)]
+    if len(leaving) != 1:
+        return [], []
+    result = leaving[0]
+    for node in walk.reached:
+        if node not in inside and any(a in inside and a is not result for a in node.all_input_nodes):
+            return [], []
+    downstream = _Walk(result, walk.saved)
+    if downstream.result(outputs).use > Use.LINEAR or downstream.thresholds:
+        return [], []
+    return region, [result]
+
+
+def _branch(gm: Callable, dtype: torch.dtype) -> PointwiseDerivative | None:
     """The monotone branch of ``h`` that reaches all its values, if ``h`` levels off on both
     sides and has no jump on that branch."""
     xs = torch.linspace(-_BRANCH_HALF_WIDTH, _BRANCH_HALF_WIDTH, _BRANCH_SAMPLES + 1, dtype=torch.float64)
@@ -613,7 +687,7 @@ def _branch(gm: fx.GraphModule, dtype: torch.dtype) -> PointwiseDerivative | Non
     steps = branch_h.diff()
     if (steps < -level).any() or steps.max().item() > _STEP_TOLERANCE * span:
         return None  # not monotone, or a jump that rounding could land inside
-    return PointwiseDerivative(gm, branch_x, torch.cummax(branch_h, 0).values)
+    return PointwiseDerivative(gm, branch_x, torch.cummax(branch_h, 0).values, dtype)
 
 
 # ------------------------------------------------------------------------ eager: trace a call
@@ -813,7 +887,8 @@ def _read_graph(backward: fx.Graph) -> dict[str, Read]:
     nodes = placeholders if decomposed is None else [n for n in decomposed.nodes if n.op == "placeholder"]
     tangents = [n for p, n in zip(placeholders, nodes) if _is_tangent(p)]
     saved = {n for p, n in zip(placeholders, nodes) if not _is_tangent(p)}
-    return {p.name: classify(n, tangents, saved) for p, n in zip(placeholders, nodes) if not _is_tangent(p)}
+    return {p.name: classify(n, tangents, saved, compiled=True)
+            for p, n in zip(placeholders, nodes) if not _is_tangent(p)}
 
 
 def _decomposed(backward: fx.Graph, placeholders: list[fx.Node]) -> fx.Graph | None:

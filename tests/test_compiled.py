@@ -107,6 +107,21 @@ def test_two_steps_store_different_noise_without_recompiling():
     assert one / mean > 3.0, (one, mean)  # 4 for unbiased noise
 
 
+def test_a_pointwise_ops_input_is_stored_as_its_derivative_in_the_graph():
+    """The partitioner saves GELU's input (``addmm``) and recomputes nothing else from it:
+    backward reads it only as ``grad * gelu'(x)``, so the derivative is stored at 2 bits, as
+    in eager, and the gradient stays unbiased."""
+    model = seeded(small_sequential)
+    run = torch.compile(model, backend="inductor")
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    exact = exact_grads(model, run, x, y)
+    report, _ = step(model, run, x, y, bits=2)
+    assert {slot.op: slot.bits for slot in report.slots.values()} == {"tanh": 4, "addmm": 2, "gelu": 2}
+    steps = [step(model, run, x, y, bits=2)[1] for _ in range(16)]
+    one = sum(rel_err(g, exact) for g in steps) / len(steps)
+    assert one / rel_err(torch.stack(steps).mean(0), exact) > 3.0
+
+
 def test_a_cnn_graph_keeps_bn_inputs_relu_outputs_and_masks_small():
     """What the partitioner saves of conv-BN-ReLU: BatchNorm's input and ReLU's output at the
     policy's bits (ReLU's zeros exact), boolean masks at 1 bit, statistics exact."""

@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 
 from lightning_act import ops
-from lightning_act.backward_reads import Read, Use, graph_reads
+from lightning_act.backward_reads import PointwiseDerivative, Read, Use, graph_reads
 from lightning_act.capture.decide import Kind, decide_saved_node
 from lightning_act.capture.records import unpack as unpack_eager
 from lightning_act.capture.report import Outcome
@@ -65,7 +65,7 @@ _EAGER, _KEPT, _PACKED = "eager", "kept", "packed"
 class Plan(NamedTuple):
     """How one saved node of a compiled graph is stored (baked into the graph as a string)."""
 
-    form: str  # "quant" or "mask"
+    form: str  # "quant", "derivative" (a pointwise op's input, stored as its derivative) or "mask"
     bits: int
     group_size: int
     module: str
@@ -75,6 +75,11 @@ class Plan(NamedTuple):
     #: ``(module, bytes, outcome)`` of the graph's saves kept as they are: counted in the
     #: report when this plan's tensor is packed (the graph's first packed save carries them).
     kept: tuple[tuple[str, int, str], ...] = ()
+    #: "derivative": :attr:`PointwiseDerivative.source`, what rebuilds it in any process.
+    derivative: tuple[str, str] | None = None
+
+    def substitute(self) -> PointwiseDerivative | None:
+        return None if self.derivative is None else PointwiseDerivative.from_source(*self.derivative)
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,10 +133,12 @@ def _restore(flat: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> 
     return torch.empty_strided(size, stride, dtype=flat.dtype, device=flat.device).copy_(flat.view(size))
 
 
-def _encode(x: torch.Tensor, plan: Plan, seed: int) -> list[torch.Tensor]:
+def _encode(x: torch.Tensor, plan: Plan, seed: int, fake: bool = False) -> list[torch.Tensor]:
     flat = _flat(x.detach())
     if plan.form == "mask":
         return [pack_bit_fields(flat.view(torch.uint8), 1, planar=True)]
+    if plan.form == "derivative" and not fake:  # the derivative has the input's shape and dtype
+        flat = plan.substitute().store(flat)[0]
     codes, stats = torch.ops.lightning_act.quantize_pack(flat, plan.bits, plan.group_size, seed)
     return [codes, stats]
 
@@ -150,7 +157,7 @@ def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
 
 @_pack_saved.register_fake
 def _pack_saved_fake(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
-    return _encode(input, _parse(plan), 0)
+    return _encode(input, _parse(plan), 0, fake=True)
 
 
 def _decode(parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
@@ -160,6 +167,8 @@ def _decode(parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int
         flat = unpack_bit_fields(parts[0], 1, planar=True, numel=numel).view(torch.bool)
     else:
         flat = torch.ops.lightning_act.unpack_dequantize(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype)
+        if plan.form == "derivative":
+            flat = plan.substitute().restore(flat)
     return _restore(flat, size, stride)
 
 
@@ -370,6 +379,9 @@ def plan_graph(forward: fx.Graph, backward: fx.Graph, capture: ActivationCapture
             bits = capture.policy.bits_for(slot, info)
             if bits is None:
                 outcome = Outcome.EXACT  # a rule or the policy says so
+            elif decision.substitute is not None:
+                plan = Plan("derivative", bits, group_size, module, slot, op, decision.min_bits,
+                            derivative=decision.substitute.source)
             else:
                 plan = Plan("quant", bits, group_size, module, slot, op, decision.min_bits)
         if plan is None and isinstance(val, torch.Tensor):

@@ -695,9 +695,9 @@ def decide_saved_node(
         min_numel: smaller tensors are kept as they are.
         group_size: the quantizer's group size.
 
-    Parameters, inputs and masks of another dtype than bool are kept (the compiled graph
-    saves parameters only where they are alive anyway). A stored pointwise derivative and
-    the ``-inf`` stand-in are eager's alone here: such a tensor gets the nonlinear floor.
+    Integer tensors are kept (the compiled graph saves parameters only where they are alive
+    anyway). A pointwise op's input is stored as its derivative, as in eager; the ``-inf``
+    stand-in is eager's alone (such a tensor is read through an exponential: 8 bits).
     """
     if not isinstance(val, torch.Tensor) or val.layout != torch.strided or val.is_nested:
         return Decision(Kind.KEEP)
@@ -717,8 +717,10 @@ def decide_saved_node(
         floor = max(2, _FLOORS[read.value_use or Use.LINEAR])
     elif use >= Use.SINGULAR or use is Use.REGION:
         return Decision(Kind.KEEP)
+    elif read.derivative is not None and read.derivative.source is not None:
+        return Decision(Kind.QUANTIZE, 1, substitute=read.derivative)
     elif read.derivative is not None:
-        floor = _NONLINEAR_BITS
+        floor = _NONLINEAR_BITS  # a derivative the plan cannot carry
     elif producer in _SOFTMAX_OPS:
         floor = _NONLINEAR_BITS
     elif consumers.keys() & _BATCH_NORM_OPS:

@@ -280,7 +280,7 @@ class ActivationCapture:
     def account_compiled(self, t: torch.Tensor, plan: Plan, parts: list[torch.Tensor]) -> None:
         """Add a tensor a compiled graph packed (and the kept saves its plan carries) to the report."""
         report = self.report
-        quantized = plan.form == "quant"
+        quantized = plan.form != "mask"
         outcome = Outcome.COMPRESSED if quantized else Outcome.LOSSLESS
         saved = t.numel() * t.element_size()
         stored = sum(p.untyped_storage().nbytes() for p in parts)
