@@ -17,6 +17,10 @@ codec's own op calls for one layer (one pack of the ReLU output, which two backw
 decode), timed alone. Their sum is the floor for this design; below it, the hooks
 themselves would have to move to C++.
 
+Then the same model under ``torch.compile`` (inductor), with and without the capture: no
+Python hook runs per saved tensor there (the graph calls the library's pack and unpack
+ops), so the cost per packed tensor is the ops' dispatch and the codec itself.
+
     python benchmarks/capture_overhead.py
 """
 
@@ -87,7 +91,32 @@ def main():
     for _ in range(args.rounds):
         for name, session in sessions.items():
             rounds[name].append(round_ms(session))
+    compiled_model = torch.compile(model, backend="inductor")
+    compiled_capture = ActivationCapture(config, model)
+    compiled_sessions = {"compiled_plain": None, "compiled_capture": compiled_capture}
+
+    def compiled_round_ms(session: ActivationCapture | None) -> float:
+        started = time.perf_counter()
+        for _ in range(args.steps):
+            if session is not None:
+                with session.capturing(inputs=x):
+                    loss = compiled_model(x).sum()
+            else:
+                loss = compiled_model(x).sum()
+            loss.backward()
+        return (time.perf_counter() - started) / args.steps * 1e3
+
+    for session in compiled_sessions.values():  # compiles each graph
+        compiled_round_ms(session)
+    for name in compiled_sessions:
+        rounds[name] = []
+    for _ in range(args.rounds):
+        for name, session in compiled_sessions.items():
+            rounds[name].append(compiled_round_ms(session))
     best = {name: min(times) for name, times in rounds.items()}
+    compiled_counts = dict(sorted(compiled_capture.report.counts.items()))
+    packed = compiled_counts.get("compressed", 0) + compiled_counts.get("lossless", 0)
+    compiled_us = (best["compiled_capture"] - best["compiled_plain"]) * 1e3 / max(packed, 1)
     step(capture)
     counts = dict(sorted(capture.report.counts.items()))
     per_layer_us = (best["capture"] - best["plain"]) / args.layers * 1e3
@@ -97,6 +126,9 @@ def main():
           f"{best['hooks']:.2f} ms with pass-through hooks, {best['capture']:.2f} ms with the capture; per layer: "
           f"{per_layer_us:.1f} us more with the capture, of which the hooks take {hooks_us:.1f} us and the codec's "
           f"op calls {codec_us:.1f} us (floor {hooks_us + codec_us:.1f} us); saved tensors per step: {counts}")
+    print(f"compiled (inductor): step {best['compiled_plain']:.2f} ms plain, {best['compiled_capture']:.2f} ms with "
+          f"the capture: {compiled_us:.1f} us per packed tensor, codec included ({packed} packed per step: "
+          f"{compiled_counts})")
     result = {
         "device": "cpu",
         "machine": platform.processor() or platform.machine(),
@@ -111,6 +143,10 @@ def main():
         "codec_calls_us_per_layer": codec_us,
         "floor_us_per_layer": hooks_us + codec_us,
         "decisions_per_step": counts,
+        "compiled_plain_step_ms": best["compiled_plain"],
+        "compiled_capture_step_ms": best["compiled_capture"],
+        "compiled_us_per_packed_tensor": compiled_us,
+        "compiled_decisions_per_step": compiled_counts,
         "rounds_ms": rounds,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -68,6 +68,9 @@ def compiled(workload: Workload, backend: str) -> Workload:
 
 
 def gradients(workload: Workload, method: Method) -> torch.Tensor:
+    """One step's parameter gradients. Torch's generator is reseeded first, so that every
+    step draws the same dropout masks (the library's rounding noise has its own stream)."""
+    torch.manual_seed(0)
     workload.model.zero_grad(set_to_none=True)
     method.start(workload)
     loss = workload.loss()

@@ -145,13 +145,16 @@ _LINEAR = frozenset(
      "nan_to_num", "prod_backward", "_pad_packed_sequence", "_pack_padded_sequence_backward", "unsafe_split",
      "fft_r2c", "fft_c2r", "fft_c2c", "_fft_r2c", "_fft_c2r", "_fft_c2c", "block_diag", "renorm_backward",
      "lerp_scalar", "clone_preserve_strides", "repeat_interleave", "_index_put_impl", "index_fill",
-     "new_empty_strided", "_local_scalar_dense"}
+     "new_empty_strided", "_local_scalar_dense", "_unsafe_index_put", "_unsafe_masked_index_put_accumulate",
+     "_unsafe_masked_index", "_unsafe_index"}
 )
 # Products: the result's degree is the sum of the multiplied arguments' degrees.
 _BILINEAR = frozenset({"mul", "mm", "bmm", "matmul", "dot", "vdot", "mv", "outer", "ger", "convolution",
                        "_convolution", "cross", "kron", "cumprod_backward", "_weight_int8pack_mm"})
 # ``bias + a @ b``: the first argument added, the next two multiplied.
 _ADD_PRODUCT = frozenset({"addmm", "baddbmm", "addbmm", "addmv", "addr", "addcmul"})
+# ``a * b + c``: the first two multiplied, the third added (inductor's decompositions use it).
+_PRODUCT_ADD = frozenset({"fma"})
 # Comparisons: a REGION read against a Python constant; with another tensor, an EXACT one.
 _COMPARISONS = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "maximum", "minimum", "fmax", "fmin"})
 _ORDER_WITH_CONSTANT = frozenset({"sign", "sgn", "signbit", "heaviside"})
@@ -163,7 +166,7 @@ _SMOOTH = frozenset(
     {"exp", "exp2", "expm1", "sigmoid", "tanh", "erf", "erfc", "sin", "cos", "sinh", "cosh", "atan", "atan2",
      "abs", "softplus", "elu", "gelu", "silu", "mish", "hardtanh", "hardsigmoid", "hardswish", "relu",
      "leaky_relu", "threshold", "clamp", "clamp_min", "clamp_max", "amax", "amin", "max", "min", "sort",
-     "topk", "logsumexp", "_softmax", "_log_softmax", "softmax", "log_softmax", "cummax", "cummin",
+     "topk", "logsumexp", "_softmax", "_safe_softmax", "_log_softmax", "softmax", "log_softmax", "cummax", "cummin",
      "logcumsumexp", "_log_softmax_backward_data", "_softmax_backward_data", "sinc", "erfcx", "prelu",
      "_prelu_kernel", "log_sigmoid_forward", "glu", "hypot", "logaddexp", "logaddexp2", "median", "nanmedian",
      "kthvalue", "mode", "_cdist_forward", "cdist", "norm", "linalg_vector_norm", "special_erfcx",
@@ -282,6 +285,8 @@ class _Walk:
             return sum(degrees)
         if name in _ADD_PRODUCT:
             return max(degrees[0], sum(degrees[1:3]) if len(degrees) >= 3 else 0)
+        if name in _PRODUCT_ADD:
+            return max(sum(degrees[:2]), max(degrees[2:], default=0))
         if name in _CONVOLUTION_BACKWARD:
             return degrees[0] + max(degrees[1:3], default=0)
         if name == "div":

@@ -54,7 +54,7 @@ from lightning_act.policy import SlotInfo
 if TYPE_CHECKING:
     from lightning_act.capture.engine import ActivationCapture
 
-__all__ = ["COMPILED_REGION", "GraphHooks", "SeedStream", "plan_graph"]
+__all__ = ["COMPILED_REGION", "GraphHooks", "GraphPlan", "SeedStream"]
 
 #: Module name of saves with no ``nn_module_stack`` (functional code in a compiled region).
 COMPILED_REGION = "(compiled)"
@@ -265,8 +265,7 @@ class GraphHooks:
         self.state = state
         self.pack = _hook_module(_pack_function, state)
         self.unpack = _hook_module(_unpack_function, state)
-        #: Per compiled forward graph, the plan of each saved node (None: kept as it is).
-        self._plans: weakref.WeakKeyDictionary[fx.Graph, dict[str, str | None]] = weakref.WeakKeyDictionary()
+        self._plans: weakref.WeakKeyDictionary[fx.Graph, GraphPlan] = weakref.WeakKeyDictionary()
 
     @classmethod
     def of(cls, state: str) -> GraphHooks:
@@ -281,8 +280,8 @@ class GraphHooks:
         forward = context["_fw_graph"]
         plans = self._plans.get(forward)
         if plans is None:
-            plans = self._plans[forward] = plan_graph(forward, context["_bw_graph"], capture)
-        return plans.get(context["_node"].name)
+            plans = self._plans[forward] = GraphPlan(forward, context["_bw_graph"], capture)
+        return plans.get(context["_node"])
 
 
 # ----------------------------------------------------------------- planning one graph
@@ -339,56 +338,85 @@ def module_qualname(node: fx.Node) -> str | None:
 def _hinted(val: Any) -> Any:
     """A saved node's value with its sizes as traced (a meta tensor): deciding on symbolic
     sizes under ``dynamic=True`` would guard on them, and recompile for every batch size."""
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-
     if not isinstance(val, torch.Tensor) or val.layout != torch.strided or val.is_nested:
         return val
-    size = [optimization_hint(s, fallback=1) for s in val.shape]
-    stride = [optimization_hint(s, fallback=1) for s in val.stride()]
+    size = [_hint(s) for s in val.shape]
+    stride = [_hint(s) for s in val.stride()]
     return torch.empty_strided(size, stride, dtype=val.dtype, device="meta")
 
 
-def plan_graph(forward: fx.Graph, backward: fx.Graph, capture: ActivationCapture) -> dict[str, str | None]:
-    """The plan of every tensor ``forward`` saves for ``backward`` (None: kept as it is)."""
-    reads = graph_reads(backward)
-    outputs = forward.output_node().args[0]
-    saved = [n for n in outputs if isinstance(n, fx.Node) and n.name in reads and n.op != "placeholder"]
-    plans: dict[str, Plan | None] = {}
-    kept: list[tuple[str, int, str]] = []
-    per_module: dict[str, int] = {}
-    for node in saved:
+class GraphPlan:
+    """The plan of every tensor one compiled forward saves for its backward (None: kept as
+    it is), encoded as the graph ops take it.
+
+    The graph's own results are planned at once, so that the first packed one can carry the
+    bytes of those kept as they are into the report. Its inputs are planned when the hooks
+    are asked about them. Torch hooks every input that is not a parameter or a buffer: an
+    activation an earlier graph passed on at a graph break, which must be compressed (a GCN
+    split by PyG's data-dependent ops kept 15 of its 15.2 MiB otherwise), and the batch,
+    which cannot be told apart from one when the graph is compiled. So the batch is stored
+    too, its compressed copy costing ``bits / 32`` of it (it stays alive anyway), and
+    backward reads the rounded copy, as it reads every compressed input (unbiased).
+    """
+
+    def __init__(self, forward: fx.Graph, backward: fx.Graph, capture: ActivationCapture):
+        self._reads = graph_reads(backward)
+        self._capture = capture
+        self._per_module: dict[str, int] = {}
+        outputs = forward.output_node().args[0]
+        saved = [n for n in outputs if isinstance(n, fx.Node) and n.name in self._reads and n.op != "placeholder"]
+        plans: dict[str, Plan | None] = {}
+        kept: list[tuple[str, int, str]] = []
+        for node in saved:
+            plans[node.name], outcome = self._plan(node)
+            val = node.meta.get("val")
+            if plans[node.name] is None and isinstance(val, torch.Tensor):
+                kept.append((self._capture.module_name(module_qualname(node)), _hint(val.numel()) * val.element_size(),
+                             outcome.value))
+        first = next((name for name, plan in plans.items() if plan is not None), None)
+        if first is not None:
+            plans[first] = plans[first]._replace(kept=tuple(kept))
+        self._encoded = {name: _encode_plan(plan) for name, plan in plans.items()}
+
+    def get(self, node: fx.Node) -> str | None:
+        if node.name not in self._encoded:
+            self._encoded[node.name] = _encode_plan(self._plan(node)[0])
+        return self._encoded[node.name]
+
+    def _plan(self, node: fx.Node) -> tuple[Plan | None, Outcome]:
+        capture = self._capture
         val = _hinted(node.meta.get("val"))
         module = capture.module_name(module_qualname(node))
         op = producer(node)
         decision = decide_saved_node(
-            val, reads.get(node.name, Read(Use.EXACT)), op, consumers(node),
+            val, self._reads.get(node.name, Read(Use.EXACT)), op, consumers(node),
             min_numel=capture.config.min_numel, group_size=capture.config.group_size,
         )
-        plan, outcome = None, Outcome.STATISTIC if decision.kind is Kind.STATISTIC else Outcome.KEPT
         if decision.kind is Kind.MASK:
-            plan = Plan("mask", 1, 0, module, "", op, 1)
-        elif decision.kind is Kind.QUANTIZE:
-            index = per_module[module] = per_module.get(module, -1) + 1
-            slot = f"{module}#{index}"
-            numel = val.numel()
-            group_size = decision.row_group or capture.config.group_size
-            info = SlotInfo(module=module, shape=tuple(val.shape), numel=numel,
-                            groups=-(-numel // group_size), element_bits=val.element_size() * 8, op=op,
-                            min_bits=decision.min_bits)
-            capture.slots[slot] = info
-            bits = capture.policy.bits_for(slot, info)
-            if bits is None:
-                outcome = Outcome.EXACT  # a rule or the policy says so
-            elif decision.substitute is not None:
-                plan = Plan("derivative", bits, group_size, module, slot, op, decision.min_bits,
-                            derivative=decision.substitute.source)
-            else:
-                plan = Plan("quant", bits, group_size, module, slot, op, decision.min_bits)
-        if plan is None and isinstance(val, torch.Tensor):
-            kept.append((module, val.numel() * val.element_size(), outcome.value))
-        plans[node.name] = plan
-    first = next((name for name, plan in plans.items() if plan is not None), None)
-    if first is not None:
-        plans[first] = plans[first]._replace(kept=tuple(kept))
-    return {name: None if plan is None else repr(tuple(plan)) for name, plan in plans.items()}
+            return Plan("mask", 1, 0, module, "", op, 1), Outcome.LOSSLESS
+        if decision.kind is not Kind.QUANTIZE:
+            return None, Outcome.STATISTIC if decision.kind is Kind.STATISTIC else Outcome.KEPT
+        index = self._per_module[module] = self._per_module.get(module, -1) + 1
+        slot = f"{module}#{index}"
+        numel = val.numel()
+        group_size = decision.row_group or capture.config.group_size
+        info = SlotInfo(module=module, shape=tuple(val.shape), numel=numel, groups=-(-numel // group_size),
+                        element_bits=val.element_size() * 8, op=op, min_bits=decision.min_bits)
+        capture.slots[slot] = info
+        bits = capture.policy.bits_for(slot, info)
+        if bits is None:
+            return None, Outcome.EXACT  # a rule or the policy says so
+        if decision.substitute is not None:
+            return Plan("derivative", bits, group_size, module, slot, op, decision.min_bits,
+                        derivative=decision.substitute.source), Outcome.COMPRESSED
+        return Plan("quant", bits, group_size, module, slot, op, decision.min_bits), Outcome.COMPRESSED
 
+
+def _encode_plan(plan: Plan | None) -> str | None:
+    return None if plan is None else repr(tuple(plan))
+
+
+def _hint(value: Any) -> int:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    return optimization_hint(value, fallback=1)

@@ -149,7 +149,7 @@ _HARDTANH_DEFAULT_INTERVAL = (-1.0, 1.0)
 # (on a GPU it saves a boolean mask, stored losslessly like any other).
 _DROPOUT_OPS = frozenset({"dropout", "dropout_"})
 # Hand floors (see the module notes).
-_SOFTMAX_OPS = frozenset({"softmax", "softmax_", "_softmax"})
+_SOFTMAX_OPS = frozenset({"softmax", "softmax_", "_softmax", "_safe_softmax"})
 _UNKNOWN_USE_BITS = _NONLINEAR_BITS
 # BatchNorm, as its functional form and as the aten ops it reaches (called directly).
 # Recurrent calls run their cells step by step under one call (``nn.GRU`` on the CPU): their

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._functorch.config as functorch_config
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -172,6 +173,7 @@ class ActivationCapture:
         self._qualnames: dict[str, str] = {}
         self._state: tuple[Any, str] = (None, "")
         self._layout_optimization: bool | None = None  # inductor's, while this session turned it off
+        self._filtering = "donated"  # torch's choice of the saves hooks see, outside sessions
         self._reset_session(seed=0)
 
     # ----------------------------------------------------------------- session control
@@ -210,6 +212,10 @@ class ActivationCapture:
         _SharedModuleHooks.capturing.append(self)
         self._tracker.__enter__()
         SeedStream.restart(seed)
+        # Graph inputs are hooked too (an activation an earlier graph passed on at a graph
+        # break), parameters and buffers not: see GraphPlan.
+        self._filtering = functorch_config.saved_tensors_hooks_filtering_mode
+        functorch_config.saved_tensors_hooks_filtering_mode = "no_static"
         hooks = GraphHooks.of(self._settings_state())
         self._hooks = torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
         self._hooks.__enter__()
@@ -228,6 +234,7 @@ class ActivationCapture:
             self._hooks = None
             _SharedModuleHooks.capturing.remove(self)
             self._stack.clear()
+        functorch_config.saved_tensors_hooks_filtering_mode = self._filtering
         if self._layout_optimization is not None:
             sys.modules["torch._inductor.config"].layout_optimization = self._layout_optimization
             self._layout_optimization = None
@@ -258,8 +265,8 @@ class ActivationCapture:
             return COMPILED_REGION
         known = self._qualnames.get(qualname)
         if known is None:
-            # A compiled submodule's modules are registered under its wrapper's ``_orig_mod``.
-            names = {n.replace("._orig_mod", "") for n in self._names.values()}
+            # A compiled module's modules are registered under its wrapper's ``_orig_mod``.
+            names = {".".join(p for p in n.split(".") if p != "_orig_mod") for n in self._names.values()}
             names = [n for n in names if n == qualname or n.endswith("." + qualname)]
             known = self._qualnames[qualname] = names[0] if len(names) == 1 else (qualname or COMPILED_REGION)
         return known
