@@ -319,7 +319,10 @@ class ActCompression(Callback):
                 out = pl_module.training_step(sample, batch_idx)
             return out["loss"] if isinstance(out, Mapping) else out
 
-        sensitivity = self.capture.measure_sensitivity(loss_fn, inputs=sample, optimizers=trainer.optimizers)
+        # A compiled backward frees what its graph saved as it runs (donated buffers), so it
+        # cannot run once per probe: the probes run compiled code eagerly.
+        with torch.compiler.set_stance("force_eager"):
+            sensitivity = self.capture.measure_sensitivity(loss_fn, inputs=sample, optimizers=trainer.optimizers)
         self._solve(trainer, sensitivity, started)
 
     def _solve(self, trainer: pl.Trainer, sensitivity: dict[str, dict[int, float]], started: float) -> None:

@@ -143,7 +143,13 @@ def _encode(x: torch.Tensor, plan: Plan, seed: int, fake: bool = False) -> list[
     return [codes, stats]
 
 
-@torch.library.custom_op("lightning_act::pack_saved", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+# Tagged as seeded (never reordered, merged or recomputed) and as unsafe in a CUDA graph: a
+# replayed graph would not run its Python, so it would repeat its seed (the same rounding
+# noise every step, a bias) and skip the report. Under ``mode="reduce-overhead"`` inductor
+# keeps it out of the CUDA graphs (it partitions the graph around it, or runs the graph
+# without them).
+@torch.library.custom_op("lightning_act::pack_saved", mutates_args=(),
+                         tags=(torch.Tag.nondeterministic_seeded, torch.Tag.cudagraph_unsafe))
 def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
     """Store a tensor a compiled forward saves, as ``plan`` says; fresh noise each call."""
     parsed = _parse(plan)
@@ -322,10 +328,26 @@ def consumers(node: fx.Node) -> dict[str, tuple]:
     return names
 
 
-def module_qualname(node: fx.Node) -> str | None:
-    """The qualified name, relative to the compiled module, of the innermost module that ran
-    the node (``layer1.0.conv1``), from Dynamo's ``nn_module_stack``."""
-    stack = node.meta.get("nn_module_stack")
+def _first_reader_stack(placeholder: fx.Node) -> dict | None:
+    """The forward module stack of the backward node reading ``placeholder`` whose forward
+    op ran first (views and detaches of it looked through)."""
+    readers, stack, seen = [], list(placeholder.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        modules, order = user.meta.get("fwd_nn_module_stack"), user.meta.get("seq_nr")
+        if modules and order is not None:
+            readers.append((int(order), len(readers), modules))
+        elif _op_name(user) in _VIEWS:
+            stack.extend(user.users)
+    return min(readers)[2] if readers else None
+
+
+def module_qualname(stack: dict | None) -> str | None:
+    """The qualified name, relative to the compiled module, of the innermost module of a
+    node's ``nn_module_stack`` (``layer1.0.conv1``), as Dynamo records it."""
     if not stack:
         return None
     qualname = str(list(stack.values())[-1][0])
@@ -362,6 +384,11 @@ class GraphPlan:
     def __init__(self, forward: fx.Graph, backward: fx.Graph, capture: ActivationCapture):
         self._reads = graph_reads(backward)
         self._capture = capture
+        # Each save belongs, as in eager, to the module whose op saved it first: of the
+        # backward nodes that read it, the one whose forward op ran first (torch records each
+        # one's forward sequence number and module stack).
+        self._modules = {node.name: module_qualname(_first_reader_stack(node))
+                         for node in backward.nodes if node.op == "placeholder"}
         self._per_module: dict[str, int] = {}
         outputs = forward.output_node().args[0]
         saved = [n for n in outputs if isinstance(n, fx.Node) and n.name in self._reads and n.op != "placeholder"]
@@ -371,8 +398,7 @@ class GraphPlan:
             plans[node.name], outcome = self._plan(node)
             val = node.meta.get("val")
             if plans[node.name] is None and isinstance(val, torch.Tensor):
-                kept.append((self._capture.module_name(module_qualname(node)), _hint(val.numel()) * val.element_size(),
-                             outcome.value))
+                kept.append((self._module(node), _hint(val.numel()) * val.element_size(), outcome.value))
         first = next((name for name, plan in plans.items() if plan is not None), None)
         if first is not None:
             plans[first] = plans[first]._replace(kept=tuple(kept))
@@ -386,7 +412,7 @@ class GraphPlan:
     def _plan(self, node: fx.Node) -> tuple[Plan | None, Outcome]:
         capture = self._capture
         val = _hinted(node.meta.get("val"))
-        module = capture.module_name(module_qualname(node))
+        module = self._module(node)
         op = producer(node)
         decision = decide_saved_node(
             val, self._reads.get(node.name, Read(Use.EXACT)), op, consumers(node),
@@ -410,6 +436,11 @@ class GraphPlan:
             return Plan("derivative", bits, group_size, module, slot, op, decision.min_bits,
                         derivative=decision.substitute.source), Outcome.COMPRESSED
         return Plan("quant", bits, group_size, module, slot, op, decision.min_bits), Outcome.COMPRESSED
+
+
+    def _module(self, node: fx.Node) -> str:
+        qualname = self._modules.get(node.name) or module_qualname(node.meta.get("nn_module_stack"))
+        return self._capture.module_name(qualname)
 
 
 def _encode_plan(plan: Plan | None) -> str | None:

@@ -157,6 +157,9 @@ class ActivationCapture:
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         if model is not None:
             for name, module in model.named_modules():
+                # A compiled module's modules are registered under its wrapper's ``_orig_mod``:
+                # named as in the module the user compiled.
+                name = ".".join(part for part in name.split(".") if part != "_orig_mod")
                 self._names[module] = name or type(module).__name__
         #: Every slot seen so far, with what the policy needs to allocate bits to it.
         self.slots: dict[str, SlotInfo] = {}
@@ -265,10 +268,8 @@ class ActivationCapture:
             return COMPILED_REGION
         known = self._qualnames.get(qualname)
         if known is None:
-            # A compiled module's modules are registered under its wrapper's ``_orig_mod``.
-            names = {".".join(p for p in n.split(".") if p != "_orig_mod") for n in self._names.values()}
-            names = [n for n in names if n == qualname or n.endswith("." + qualname)]
-            known = self._qualnames[qualname] = names[0] if len(names) == 1 else (qualname or COMPILED_REGION)
+            names = {n for n in self._names.values() if n == qualname or n.endswith("." + qualname)}
+            known = self._qualnames[qualname] = names.pop() if len(names) == 1 else (qualname or COMPILED_REGION)
         return known
 
     def compiling(self) -> None:
