@@ -742,13 +742,24 @@ def _signature(value: Any) -> Any:
     return type(value).__qualname__  # a module, a generator: its type alone
 
 
+def _sharing(flat: list, positions: list[int]) -> list[int]:
+    """For each tensor argument, the index of the first argument that is the same tensor
+    object (numbered in order of first appearance). A call may branch on it:
+    ``multi_head_attention_forward`` projects ``query is key is value`` with one matmul and
+    saves other tensors than for three."""
+    first: dict[int, int] = {}
+    return [first.setdefault(id(flat[i]), len(first)) for i in positions]
+
+
 def call_reads(func: Callable, args: tuple, kwargs: dict, autocast: tuple = ()) -> tuple[tuple[Read, ...], tuple] | None:
     """How backward reads each tensor the call ``func(*args, **kwargs)`` saves, in the order it
     saves them, with the ``(dtype, rank)`` of each; None if the call cannot be traced.
     ``autocast`` is the autocast the call runs under
     (:func:`~lightning_act.optrack.autocast_state`), which decides what it casts and saves."""
     try:
-        key = (func, _signature(args), _signature(kwargs), autocast)
+        flat = pytree.tree_leaves((args, kwargs))
+        positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+        key = (func, _signature(args), _signature(kwargs), autocast, tuple(_sharing(flat, positions)))
         hash(key)
     except TypeError:
         return None
@@ -800,18 +811,22 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
     positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
     if any(flat[i].layout != torch.strided or flat[i].is_nested for i in positions):
         return None
-    requires = [flat[i].requires_grad for i in positions]
+    shared = _sharing(flat, positions)
+    distinct = [positions[shared.index(k)] for k in range(max(shared, default=-1) + 1)]
+    requires = [flat[i].requires_grad for i in distinct]
     saves: list[tuple[torch.dtype, int]] = []
 
     def joint(*tensors):
         saves.clear()
-        values, leaves = list(flat), []
-        for i, t, grad in zip(positions, tensors, requires):
+        values, leaves, traced = list(flat), [], []
+        for t, grad in zip(tensors, requires):
             if grad:
                 leaf = t.detach().requires_grad_(True)
                 leaves.append(leaf)
                 t = leaf.clone()  # not a leaf, so in-place calls may write it
-            values[i] = t
+            traced.append(t)
+        for i, k in zip(positions, shared):  # one tensor passed twice stays one tensor
+            values[i] = traced[k]
         call_args, call_kwargs = pytree.tree_unflatten(values, spec)
 
         def pack(saved: torch.Tensor):
@@ -839,7 +854,7 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
     try:
         with torch.enable_grad():
             gm = make_fx(joint, tracing_mode="fake", decomposition_table=_backward_decompositions())(
-                *[flat[i] for i in positions]
+                *[flat[i] for i in distinct]
             )
     except Exception:
         return None

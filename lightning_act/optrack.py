@@ -37,6 +37,8 @@ a GPU, where the same step takes milliseconds, it would be a few percent (not me
 
 from __future__ import annotations
 
+import warnings
+
 from typing import Any
 
 import torch
@@ -92,6 +94,20 @@ def _function_name(func: Any) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
+# Where Dynamo gives up on a frame (an RNN) it tries the check once more and warns that it
+# cannot trace it; the frame then runs eagerly, where the check works.
+warnings.filterwarnings("ignore", message=r"Dynamo does not know how to trace the builtin `torch\._C\._autograd\.")
+
+
+@torch.compiler.assume_constant_result
+def _pack_hooks_run() -> bool:
+    """Whether a pack hook can see what is saved now. A compiled region turns saved-tensor
+    hooks off while its graph runs (their work is inlined into it), and the graph calls
+    torch functions of its own: tracking them would cost time for nothing. (Dynamo reads
+    it once, as a constant, while it traces.)"""
+    return torch._C._autograd._saved_tensors_hooks_is_enabled()
+
+
 class OpTracker(TorchFunctionMode):
     """Knows which torch function is running, for pack hooks that choose a codec by op.
 
@@ -116,6 +132,8 @@ class OpTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not _pack_hooks_run():
+            return func(*args, **kwargs)
         self._calls.append(TrackedCall(_function_name(func), args, kwargs, func=func, autocast=autocast_state()))
         try:
             return func(*args, **kwargs)

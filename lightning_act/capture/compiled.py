@@ -143,13 +143,19 @@ def _encode(x: torch.Tensor, plan: Plan, seed: int, fake: bool = False) -> list[
     return [codes, stats]
 
 
-# Tagged as seeded (never reordered, merged or recomputed) and as unsafe in a CUDA graph: a
-# replayed graph would not run its Python, so it would repeat its seed (the same rounding
-# noise every step, a bias) and skip the report. Under ``mode="reduce-overhead"`` inductor
-# keeps it out of the CUDA graphs (it partitions the graph around it, or runs the graph
-# without them).
-@torch.library.custom_op("lightning_act::pack_saved", mutates_args=(),
-                         tags=(torch.Tag.nondeterministic_seeded, torch.Tag.cudagraph_unsafe))
+# The graph ops, registered as plain dispatcher kernels (not ``torch.library.custom_op``,
+# whose Python autograd layer doubled their cost per call). Pack is tagged as seeded (never
+# reordered, merged or recomputed) and as unsafe in a CUDA graph: a replayed graph would
+# not run its Python, so it would repeat its seed (the same rounding noise every step, a
+# bias) and skip the report. Under ``mode="reduce-overhead"`` inductor keeps it out of its
+# CUDA graphs (it partitions the graph around it, or runs the graph without them).
+_LIBRARY = torch.library.Library("lightning_act", "FRAGMENT")
+_LIBRARY.define("pack_saved(Tensor input, str plan) -> Tensor[]",
+                tags=(torch.Tag.nondeterministic_seeded, torch.Tag.cudagraph_unsafe))
+_LIBRARY.define("unpack_saved(Tensor[] parts, SymInt[] size, SymInt[] stride, ScalarType dtype, str plan) -> Tensor")
+
+
+@torch.library.impl(_LIBRARY, "pack_saved", "CompositeExplicitAutograd")
 def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
     """Store a tensor a compiled forward saves, as ``plan`` says; fresh noise each call."""
     parsed = _parse(plan)
@@ -161,7 +167,7 @@ def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
     return parts
 
 
-@_pack_saved.register_fake
+@torch.library.register_fake("lightning_act::pack_saved", lib=_LIBRARY)
 def _pack_saved_fake(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
     return _encode(input, _parse(plan), 0, fake=True)
 
@@ -178,7 +184,7 @@ def _decode(parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int
     return _restore(flat, size, stride)
 
 
-@torch.library.custom_op("lightning_act::unpack_saved", mutates_args=())
+@torch.library.impl(_LIBRARY, "unpack_saved", "CompositeExplicitAutograd")
 def _unpack_saved(
     parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int], dtype: torch.dtype, plan: str
 ) -> torch.Tensor:
@@ -187,7 +193,7 @@ def _unpack_saved(
     return _decode(parts, size, stride, dtype, _parse(plan))
 
 
-@_unpack_saved.register_fake
+@torch.library.register_fake("lightning_act::unpack_saved", lib=_LIBRARY)
 def _unpack_saved_fake(parts, size, stride, dtype, plan) -> torch.Tensor:
     return torch.empty_strided(size, stride, dtype=dtype, device=parts[0].device)
 
