@@ -23,7 +23,13 @@ saved tensor kept exact, and estimates their share of the 2-bit gradient's bias 
 one-seed and mean-of-seeds errors (``e1^2 = b^2 + v``, ``ek^2 = b^2 + v / k``), and their
 8-bit error; tensors are named by module and op.
 
+``--compiled`` measures every case with its model compiled by ``torch.compile`` (inductor,
+the module compiled in place), the saved tensors decided inside the graphs
+(``model_libraries_compiled_cpu.json``; no culprit search: each slot alone is a policy of its
+own, so a recompile each).
+
     python benchmarks/model_libraries.py --data ../shared/data --out benchmarks/results
+    python benchmarks/model_libraries.py --compiled --seeds 8
 """
 
 from __future__ import annotations
@@ -408,10 +414,13 @@ class Measurement:
                 "peak_ratio": self.peak_ratio}
 
 
-def measure(name: str, data: Path = DATA, seeds: int = SEEDS) -> Measurement:
+def measure(name: str, data: Path = DATA, seeds: int = SEEDS, compiled: bool = False) -> Measurement:
     """Every criterion of one case, through :class:`ActivationCapture` with a fixed policy."""
     started = time.perf_counter()
     workload = build(name, data)
+    if compiled:
+        torch._dynamo.reset()
+        workload.model.compile(backend="inductor")
     exact = weight_grad(workload)
     capture8 = ActivationCapture(CompressionConfig(bits=8), workload.model)
     error_8bit = relative_error(weight_grad(workload, capture8, seed=0), exact)
@@ -503,9 +512,10 @@ def main():
     parser.add_argument("--seeds", type=int, default=SEEDS)
     parser.add_argument("--culprit-seeds", type=int, default=8, help="rounding seeds per slot in the culprit search")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compiled", action="store_true", help="each model under torch.compile (inductor)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = args.out / "model_libraries_cpu.json"
+    path = args.out / ("model_libraries_compiled_cpu.json" if args.compiled else "model_libraries_cpu.json")
     earlier = json.loads(path.read_text()) if path.exists() else {}
     # Cases not run now keep their earlier rows; each row names the command that measured it.
     command = " ".join(["python", *sys.argv])
@@ -513,13 +523,20 @@ def main():
                "date": time.strftime("%Y-%m-%d"), "seeds": args.seeds, "cases": earlier.get("cases", {})}
     print(f"{'case':<28} {'8-bit':>8} {'2-bit':>8} {'mean':>8} {'ratio':>6} {'kept':>7} {'peak':>6} {'s':>5}")
     for name in args.only or CASES:
-        m = measure(name, args.data, args.seeds)
+        try:
+            m = measure(name, args.data, args.seeds, args.compiled)
+        except Exception as error:  # noqa: BLE001 - recorded: a case that fails is a finding
+            print(f"{name:<28} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+            results["cases"][name] = {"case": name, "failed": f"{type(error).__name__}: {str(error)[:2000]}",
+                                      "command": command}
+            path.write_text(json.dumps(results, indent=1))
+            continue
         row = m.row()
         row["failures"] = failures(m)
         row["command"] = command
         print(f"{name:<28} {m.error_8bit:>8.4f} {m.error_2bit:>8.4f} {m.mean_error_2bit:>8.4f}"
               f" {m.unbiased_ratio:>5.2f}x {m.kept_ratio:>6.2f}x {m.peak_ratio:>5.3f} {m.seconds:>5.1f}", flush=True)
-        if m.error_8bit >= MAX_ERROR_8BIT or m.unbiased_ratio < MIN_UNBIASED_RATIO:
+        if not args.compiled and (m.error_8bit >= MAX_ERROR_8BIT or m.unbiased_ratio < MIN_UNBIASED_RATIO):
             row["culprits"] = find_culprits(name, args.data, args.culprit_seeds)
             for kind in ("ops", "slots"):
                 for c in row["culprits"][kind]:

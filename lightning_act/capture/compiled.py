@@ -37,6 +37,7 @@ import ast
 import functools
 import math
 import re
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
@@ -200,16 +201,19 @@ def _unpack_saved_fake(parts, size, stride, dtype, plan) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- the hook pair
 def _capturing() -> ActivationCapture | None:
-    from lightning_act.capture.engine import capturing_now
+    engine = sys.modules["lightning_act.capture.engine"]  # imported: it imports this module
+    return engine.capturing_now()
 
-    return capturing_now()
+
+_GRAPH_COMPILE = "torch._functorch._aot_autograd.graph_compile"
 
 
 def _hook_context() -> dict | None:
-    """What torch tells a hook while it is inlined into a compiled graph; None when called eagerly."""
-    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
-
-    return _get_saved_tensor_hook_context()
+    """What torch tells a hook while it is inlined into a compiled graph; None when called
+    eagerly (no compilation has imported torch's AOT graph compiler yet: importing it costs a
+    second, so eager-only runs never do)."""
+    module = sys.modules.get(_GRAPH_COMPILE)
+    return None if module is None else module._get_saved_tensor_hook_context()
 
 
 @torch.fx.wrap
@@ -289,11 +293,56 @@ class GraphHooks:
     def plan(self, context: dict, capture: ActivationCapture) -> str | None:
         """The plan of the node torch is inlining the pack hook for (planned per graph)."""
         capture.compiling()
+        UnpackWhereRead.install()
         forward = context["_fw_graph"]
         plans = self._plans.get(forward)
         if plans is None:
             plans = self._plans[forward] = GraphPlan(forward, context["_bw_graph"], capture)
         return plans.get(context["_node"])
+
+
+# ------------------------------------------------------------- decoding where it is read
+class UnpackWhereRead:
+    """An inductor post-grad pass that moves each ``unpack_saved`` of a compiled backward to
+    just before the first node that reads its result.
+
+    Torch inlines every unpack hook at the start of the backward graph, so all saved tensors
+    would be decoded at once before backward begins, and the step's peak would be the
+    uncompressed one (a compiled ViT's 2-bit peak was 97% of none's). Decoded where it is
+    read, each tensor lives as eager's does: from just before the node that needs it until
+    backward is done with it. Chained after any post-grad pass already set; installed once
+    per process, since backward graphs compile at the first backward, after the session.
+    """
+
+    def __init__(self, chained: Any = None):
+        self.chained = chained
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if self.chained is not None:
+            self.chained(graph)
+        unpack = torch.ops.lightning_act.unpack_saved.default
+        # Unpacks read only the graph's inputs and are read by other nodes, so moving one
+        # leaves the order of every other node, and these positions, as they were.
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        for node in [n for n in graph.nodes if n.op == "call_function" and n.target is unpack]:
+            if node.users:
+                min(node.users, key=position.__getitem__).prepend(node)
+
+    def uuid(self) -> Any:
+        from torch._inductor.custom_graph_pass import get_hash_for_files
+
+        chained = self.chained.uuid() if hasattr(self.chained, "uuid") else None
+        return (get_hash_for_files((__file__,)), chained)
+
+    @staticmethod
+    def install() -> None:
+        config = sys.modules.get("torch._inductor.config")
+        if config is None or isinstance(config.post_grad_custom_post_pass, UnpackWhereRead):
+            return
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        CustomGraphPass.register(UnpackWhereRead)  # what inductor's config accepts, with a uuid
+        config.post_grad_custom_post_pass = UnpackWhereRead(config.post_grad_custom_post_pass)
 
 
 # ----------------------------------------------------------------- planning one graph

@@ -497,7 +497,7 @@ class ActivationCapture:
         return f"{module}#{index}"
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if self._paused or torch._C._current_graph_task_id() != -1 or torch.compiler.is_compiling():
+        if self._paused or torch._C._current_graph_task_id() != -1:
             return t.detach()  # a detached alias, never t itself: returning t can leak it
         if t.layout != torch.strided or t.is_nested:
             self._count_uncounted(Outcome.KEPT)  # sparse, nested: no storage to key or codec to take it
