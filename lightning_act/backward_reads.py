@@ -291,7 +291,9 @@ class _Walk:
             return degrees[0] + max(degrees[1:3], default=0)
         if name == "div":
             if len(degrees) > 1 and degrees[1]:
-                self._record(Use.SINGULAR, node)
+                # A denominator that cannot come near zero (``1 + exp(-x)``, a sigmoid written
+                # out) is a smooth function of what it is computed from; any other is singular.
+                self._record(Use.SMOOTH if _at_least_a_positive_constant(node.args[1]) else Use.SINGULAR, node)
                 return 1
             if node.kwargs.get("rounding_mode") is not None or len(node.args) > 2:
                 self._record(Use.EXACT, node)
@@ -383,6 +385,26 @@ class _Walk:
         thresholds = tuple(sorted(self.thresholds)) if compared else ()
         reason = self.reason if use >= Use.SMOOTH else None
         return Read(use, thresholds, None, reason, value_use)
+
+
+# Ops whose result is never negative, whatever their (finite) argument.
+_NONNEGATIVE = frozenset({"exp", "exp2", "sigmoid", "abs", "relu", "square", "softplus", "cosh"})
+
+
+def _at_least_a_positive_constant(value: Any) -> bool:
+    """Whether ``value`` is a positive constant plus something never negative (or the
+    reverse): ``1 + exp(-x)``."""
+    if isinstance(value, (int, float)):
+        return value > 0
+    if not isinstance(value, fx.Node) or value.op != "call_function" or _name(value.target) != "add":
+        return False
+    if len(value.args) != 2 or value.kwargs.get("alpha", 1) != 1:
+        return False
+    terms = list(value.args)
+    constants = [t for t in terms if isinstance(t, (int, float)) and not isinstance(t, bool)]
+    others = [t for t in terms if isinstance(t, fx.Node)]
+    return (len(constants) == 1 and constants[0] > 0 and len(others) == 1 and others[0].op == "call_function"
+            and _name(others[0].target) in _NONNEGATIVE)
 
 
 def _outputs(graph: fx.Graph) -> list:
