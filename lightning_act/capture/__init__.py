@@ -5,6 +5,8 @@ accounted.
 * :mod:`~lightning_act.capture.decide`: how one saved tensor must be stored (pure rules);
 * :mod:`~lightning_act.capture.engine`: :class:`ActivationCapture`, the hooks, sessions,
   storage sharing between saves, accounting and probing;
+* :mod:`~lightning_act.capture.compiled`: the same inside ``torch.compile`` graphs (hooks
+  torch inlines into them, decided from the compiled backward);
 * :mod:`~lightning_act.capture.records`: what autograd holds instead of a saved tensor;
 * :mod:`~lightning_act.capture.report`: the per-module and per-slot byte report.
 """

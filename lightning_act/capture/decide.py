@@ -602,7 +602,7 @@ def decide(
     if layout is None or layout.numel < max(min_numel, 1):  # empty: nothing to store
         return Decision(Kind.KEEP, min_bits)
     if call is None:
-        # Saved outside any call (a compiled graph's saves, a custom autograd function's): its
+        # Saved outside any call (a custom autograd function's, a graph's that eager hooks see): its
         # backward may rely on the strides it saved (inductor asserts them), so a view copied
         # dense comes back with its own.
         layout = layout.with_strides(t)

@@ -8,6 +8,10 @@ Lightning callback is a thin scheduler around it. A tensor is compressed at pack
 deferred copy would miss in-place changes, which autograd no longer detects once hooks are
 installed. Which op saves a tensor comes from an :class:`~lightning_act.optrack.OpTracker`
 entered for the session.
+
+The session's saved-tensor hooks are the :class:`~lightning_act.capture.compiled.GraphHooks`
+pair: torch inlines it into the graphs it compiles in the session, and called eagerly it
+hands each tensor to :meth:`ActivationCapture._pack` here.
 """
 
 from __future__ import annotations
