@@ -102,10 +102,8 @@ class SeedStream:
 
     @classmethod
     def next(cls) -> int:
-        from lightning_act.capture.engine import splitmix64
-
         cls.count += 1
-        return splitmix64(cls.base + cls.count) >> 1
+        return _engine().splitmix64(cls.base + cls.count) >> 1
 
 
 # --------------------------------------------------------------------------- the graph ops
@@ -200,9 +198,12 @@ def _unpack_saved_fake(parts, size, stride, dtype, plan) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- the hook pair
+def _engine():
+    return sys.modules["lightning_act.capture.engine"]  # imported: it imports this module
+
+
 def _capturing() -> ActivationCapture | None:
-    engine = sys.modules["lightning_act.capture.engine"]  # imported: it imports this module
-    return engine.capturing_now()
+    return _engine().capturing_now()
 
 
 _GRAPH_COMPILE = "torch._functorch._aot_autograd.graph_compile"
