@@ -88,6 +88,9 @@ def _parse(plan: str) -> Plan:
     return Plan(*ast.literal_eval(plan))
 
 
+_GRAPH_STREAM = 0x6A09E667F3BCC909  # any constant that differs from the eager stream's
+
+
 class SeedStream:
     """The rounding seeds of compiled graphs: a counter mixed with the session's seed, so
     each call packs with fresh noise without a seed baked into the graph or a draw from
@@ -98,7 +101,11 @@ class SeedStream:
 
     @classmethod
     def restart(cls, seed: int) -> None:
-        cls.base, cls.count = seed, 0
+        # A stream of its own: the eager path's seeds are the session seed plus a count, and
+        # the same seeds here would round a graph's saves with the noise of the eager saves
+        # of the same step (correlated errors, a bias where backward multiplies the two).
+        engine = _engine()
+        cls.base, cls.count = engine.splitmix64(seed ^ _GRAPH_STREAM), 0
 
     @classmethod
     def next(cls) -> int:
