@@ -71,53 +71,35 @@ def main():
     hooks_only._pack = torch.Tensor.detach  # every save passes through: the mechanism alone
     sessions = {"plain": None, "hooks": hooks_only, "capture": capture}
 
-    def step(session: ActivationCapture | None) -> None:
+    def step(run: nn.Module, session: ActivationCapture | None) -> None:
         if session is not None:
             with session.capturing(inputs=x):
-                loss = model(x).sum()
+                loss = run(x).sum()
         else:
-            loss = model(x).sum()
+            loss = run(x).sum()
         loss.backward()
 
-    def round_ms(session: ActivationCapture | None) -> float:
+    def round_ms(run: nn.Module, session: ActivationCapture | None) -> float:
         started = time.perf_counter()
         for _ in range(args.steps):
-            step(session)
+            step(run, session)
         return (time.perf_counter() - started) / args.steps * 1e3
 
-    for session in sessions.values():  # warm-up: kernels loaded, allocator primed
-        round_ms(session)
-    rounds = {name: [] for name in sessions}
-    for _ in range(args.rounds):
-        for name, session in sessions.items():
-            rounds[name].append(round_ms(session))
     compiled_model = torch.compile(model, backend="inductor")
     compiled_capture = ActivationCapture(config, model)
-    compiled_sessions = {"compiled_plain": None, "compiled_capture": compiled_capture}
-
-    def compiled_round_ms(session: ActivationCapture | None) -> float:
-        started = time.perf_counter()
-        for _ in range(args.steps):
-            if session is not None:
-                with session.capturing(inputs=x):
-                    loss = compiled_model(x).sum()
-            else:
-                loss = compiled_model(x).sum()
-            loss.backward()
-        return (time.perf_counter() - started) / args.steps * 1e3
-
-    for session in compiled_sessions.values():  # compiles each graph
-        compiled_round_ms(session)
-    for name in compiled_sessions:
-        rounds[name] = []
+    runs = {name: (model, session) for name, session in sessions.items()}
+    runs.update({"compiled_plain": (compiled_model, None), "compiled_capture": (compiled_model, compiled_capture)})
+    for run, session in runs.values():  # warm-up: kernels loaded, graphs compiled, allocator primed
+        round_ms(run, session)
+    rounds = {name: [] for name in runs}
     for _ in range(args.rounds):
-        for name, session in compiled_sessions.items():
-            rounds[name].append(compiled_round_ms(session))
+        for name, (run, session) in runs.items():
+            rounds[name].append(round_ms(run, session))
     best = {name: min(times) for name, times in rounds.items()}
     compiled_counts = dict(sorted(compiled_capture.report.counts.items()))
     packed = compiled_counts.get("compressed", 0) + compiled_counts.get("lossless", 0)
     compiled_us = (best["compiled_capture"] - best["compiled_plain"]) * 1e3 / max(packed, 1)
-    step(capture)
+    step(model, capture)
     counts = dict(sorted(capture.report.counts.items()))
     per_layer_us = (best["capture"] - best["plain"]) / args.layers * 1e3
     hooks_us = (best["hooks"] - best["plain"]) / args.layers * 1e3

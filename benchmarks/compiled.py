@@ -43,7 +43,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import CPU_SUITE, GPU_SUITE, Workload, build_workload, environment  # noqa: E402
-from peak_memory import Compression, Method, measure_step  # noqa: E402
+from peak_memory import Compression, Method, measure_step, train_step  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -71,12 +71,7 @@ def gradients(workload: Workload, method: Method) -> torch.Tensor:
     """One step's parameter gradients. Torch's generator is reseeded first, so that every
     step draws the same dropout masks (the library's rounding noise has its own stream)."""
     torch.manual_seed(0)
-    workload.model.zero_grad(set_to_none=True)
-    method.start(workload)
-    loss = workload.loss()
-    method.before_backward()
-    loss.backward()
-    method.finish()
+    train_step(workload, method)
     return torch.cat([p.grad.flatten() for p in workload.model.parameters() if p.grad is not None])
 
 
