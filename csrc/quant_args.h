@@ -31,11 +31,13 @@ inline void check_quant_args(int64_t bits, int64_t group_size) {
 
 inline int64_t num_groups(int64_t numel, int64_t group_size) { return (numel + group_size - 1) / group_size; }
 
-inline void check_quantize_input(const at::Tensor& input) {
+inline void check_quantize_input(const at::Tensor& input, bool column_major) {
   TORCH_CHECK(is_supported_float(input.scalar_type()), "lightning_act.quantize_pack: input dtype is ",
               input.scalar_type(), "; allowed: Float, Half, BFloat16");
   TORCH_CHECK(input.is_contiguous(), "lightning_act.quantize_pack: input must be contiguous; got shape ",
               input.sizes(), " with strides ", input.strides());
+  TORCH_CHECK(!column_major || input.dim() >= 2, "lightning_act.quantize_pack: column_major=True reads matrices ",
+              "column by column: input must be at least 2-D; got shape ", input.sizes());
 }
 
 // Uninitialized outputs of quantizing `numel` values on `options`' device: the packed codes
@@ -49,7 +51,7 @@ inline std::tuple<at::Tensor, at::Tensor> empty_codes_and_stats(int64_t numel, i
 
 // Checks codes and stats against each other; returns the number of groups.
 inline int64_t check_decode_args(const at::Tensor& codes, const at::Tensor& stats, int64_t bits, int64_t group_size,
-                                 int64_t numel, at::ScalarType dtype) {
+                                 int64_t numel, at::ScalarType dtype, int64_t rows = 0, int64_t columns = 0) {
   check_quant_args(bits, group_size);
   TORCH_CHECK(codes.scalar_type() == at::kByte, "lightning_act.unpack_dequantize: codes dtype is ",
               codes.scalar_type(), "; allowed: Byte (uint8)");
@@ -71,22 +73,27 @@ inline int64_t check_decode_args(const at::Tensor& codes, const at::Tensor& stat
               " must be in [0, ", groups * group_size, "] for ", groups, " groups of ", group_size);
   TORCH_CHECK(is_supported_float(dtype), "lightning_act.unpack_dequantize: dtype is ", dtype,
               "; allowed: Float, Half, BFloat16");
+  TORCH_CHECK((rows == 0 && columns == 0) || (rows > 0 && columns > 0 && numel % (rows * columns) == 0),
+              "lightning_act.unpack_dequantize: rows=", rows, ", columns=", columns, ": allowed are both 0 (values ",
+              "in memory order) or both positive with numel=", numel, " a multiple of rows * columns (whole ",
+              "matrices packed column by column)");
   return groups;
 }
 
 // Checks quantize_pack's arguments and allocates its outputs, uninitialized: the C++ side of
 // the op's fake in lightning_act/ops/schemas.py.
 inline std::tuple<at::Tensor, at::Tensor> quantize_pack_outputs(const at::Tensor& input, int64_t bits,
-                                                                int64_t group_size) {
+                                                                int64_t group_size, bool column_major = false) {
   check_quant_args(bits, group_size);
-  check_quantize_input(input);
+  check_quantize_input(input, column_major);
   return empty_codes_and_stats(input.numel(), bits, group_size, input.options());
 }
 
 // Checks unpack_dequantize's arguments and allocates its output, uninitialized.
 inline at::Tensor unpack_dequantize_output(const at::Tensor& codes, const at::Tensor& stats, int64_t bits,
-                                           int64_t group_size, int64_t numel, at::ScalarType dtype) {
-  check_decode_args(codes, stats, bits, group_size, numel, dtype);
+                                           int64_t group_size, int64_t numel, at::ScalarType dtype,
+                                           int64_t rows = 0, int64_t columns = 0) {
+  check_decode_args(codes, stats, bits, group_size, numel, dtype, rows, columns);
   return at::empty({numel}, codes.options().dtype(dtype));
 }
 

@@ -1,5 +1,6 @@
 // CPU kernels of lightning_act::quantize_pack and lightning_act::unpack_dequantize: the
-// group encoder and decoder of quant_cpu.h over the input and output tensors.
+// group encoder and decoder of quant_cpu.h over the input and output tensors, read and
+// written in memory order or, for column_major, column by column.
 #include <torch/library.h>
 
 #include <cstdint>
@@ -28,6 +29,23 @@ struct InputGroups {
   }
 };
 
+// quantize_pack's GroupSource for column_major: the values gathered column by column. A
+// group runs down a column, `columns` values apart in memory; the groups after it read the
+// next columns, whose values share its cache lines, so one task's groups reuse them.
+template <typename scalar_t>
+struct ColumnMajorInputGroups {
+  const scalar_t* input;
+  ColumnMajorOrder order;
+
+  LIGHTNING_ACT_ALWAYS_INLINE const float* operator()(int64_t start, int64_t count, float* buffer) const {
+    ColumnMajorCursor cursor = order.at(start);
+    for (int64_t i = 0; i < count; ++i, cursor.next()) {
+      buffer[i] = static_cast<float>(input[cursor.offset]);
+    }
+    return buffer;
+  }
+};
+
 // unpack_dequantize's GroupSink: the output in its dtype.
 template <typename scalar_t>
 struct OutputGroups {
@@ -42,29 +60,54 @@ struct OutputGroups {
   }
 };
 
+// unpack_dequantize's GroupSink for a column_major pack: the values scattered back to their
+// places in row-major memory.
+template <typename scalar_t>
+struct ColumnMajorOutputGroups {
+  scalar_t* output;
+  ColumnMajorOrder order;
+
+  template <typename Decoded>
+  LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t start, int64_t count, const Decoded& decoded) const {
+    ColumnMajorCursor cursor = order.at(start);
+    for (int64_t i = 0; i < count; ++i, cursor.next()) {
+      output[cursor.offset] = static_cast<scalar_t>(decoded(i));
+    }
+  }
+};
+
 std::tuple<at::Tensor, at::Tensor> quantize_pack_cpu(const at::Tensor& input, int64_t bits, int64_t group_size,
-                                                     int64_t seed) {
-  const auto [codes, stats] = quantize_pack_outputs(input, bits, group_size);
+                                                     int64_t seed, bool column_major) {
+  const auto [codes, stats] = quantize_pack_outputs(input, bits, group_size, column_major);
   const int64_t numel = input.numel();
   if (numel == 0) {
     return {codes, stats};
   }
   LIGHTNING_ACT_DISPATCH_FLOAT_TYPES(input.scalar_type(), "quantize_pack_cpu", [&] {
-    const InputGroups<scalar_t> source{input.const_data_ptr<scalar_t>()};
-    encode_groups(source, numel, bits, group_size, static_cast<uint64_t>(seed), codes, stats);
+    const scalar_t* data = input.const_data_ptr<scalar_t>();
+    if (column_major) {
+      const ColumnMajorInputGroups<scalar_t> source{data, ColumnMajorOrder{input.size(-2), input.size(-1)}};
+      encode_groups(source, numel, bits, group_size, static_cast<uint64_t>(seed), codes, stats);
+    } else {
+      encode_groups(InputGroups<scalar_t>{data}, numel, bits, group_size, static_cast<uint64_t>(seed), codes, stats);
+    }
   });
   return {codes, stats};
 }
 
 at::Tensor unpack_dequantize_cpu(const at::Tensor& codes, const at::Tensor& stats, int64_t bits, int64_t group_size,
-                                 int64_t numel, at::ScalarType dtype) {
-  const at::Tensor output = unpack_dequantize_output(codes, stats, bits, group_size, numel, dtype);
+                                 int64_t numel, at::ScalarType dtype, int64_t rows, int64_t columns) {
+  const at::Tensor output = unpack_dequantize_output(codes, stats, bits, group_size, numel, dtype, rows, columns);
   if (numel == 0) {
     return output;
   }
   LIGHTNING_ACT_DISPATCH_FLOAT_TYPES(dtype, "unpack_dequantize_cpu", [&] {
-    const OutputGroups<scalar_t> sink{output.mutable_data_ptr<scalar_t>()};
-    decode_groups(codes, stats, numel, bits, group_size, sink);
+    scalar_t* data = output.mutable_data_ptr<scalar_t>();
+    if (rows > 0) {
+      decode_groups(codes, stats, numel, bits, group_size, ColumnMajorOutputGroups<scalar_t>{data, {rows, columns}});
+    } else {
+      decode_groups(codes, stats, numel, bits, group_size, OutputGroups<scalar_t>{data});
+    }
   });
   return output;
 }

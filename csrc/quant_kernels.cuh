@@ -255,6 +255,49 @@ struct OutputChunks {
   }
 };
 
+// quantize_pack's ChunkSource for column_major: a chunk's 8 values run down a column,
+// `columns` values apart in memory. The lanes of a group read 8 rows each of the same
+// columns, and the groups of the next lanes and warps of the block the next columns, so the
+// block's loads of one row fall in the same few sectors, which L1 serves after the first.
+template <typename scalar_t>
+struct ColumnMajorInputChunks {
+  const scalar_t* input;
+  ColumnMajorOrder order;
+
+  __device__ __forceinline__ int operator()(int64_t index, int64_t end, float (&values)[kChunk]) const {
+    const int64_t available = end - index;
+    const int count = available >= kChunk ? kChunk : (available > 0 ? static_cast<int>(available) : 0);
+    ColumnMajorCursor cursor = order.at(index);
+#pragma unroll
+    for (int t = 0; t < kChunk; ++t) {
+      values[t] = t < count ? static_cast<float>(input[cursor.offset]) : 0.0f;
+      if (t + 1 < count) {
+        cursor.next();
+      }
+    }
+    return count;
+  }
+};
+
+// unpack_dequantize's ChunkSink for a column_major pack: the values scattered back to their
+// places in row-major memory.
+template <typename scalar_t>
+struct ColumnMajorOutputChunks {
+  scalar_t* output;
+  ColumnMajorOrder order;
+
+  __device__ __forceinline__ void operator()(int64_t index, int count, const float (&values)[kChunk]) const {
+    ColumnMajorCursor cursor = order.at(index);
+#pragma unroll
+    for (int t = 0; t < kChunk; ++t) {
+      if (t < count) {
+        output[cursor.offset] = scalar_t(values[t]);
+        cursor.next();
+      }
+    }
+  }
+};
+
 inline bool is_aligned(const void* pointer, uintptr_t alignment) {
   return reinterpret_cast<uintptr_t>(pointer) % alignment == 0;
 }

@@ -281,4 +281,45 @@ LIGHTNING_ACT_HD float decode_value(uint32_t code, const DecodeParams& params) {
   return bits_float(float_bits(decoded) & keep);
 }
 
+// quantize_pack's column_major read: matrices of `rows x columns` values in row-major
+// memory, read column by column. A cursor walks that read, one value at a time, keeping the
+// memory offset of the value it stands on.
+struct ColumnMajorCursor {
+  int64_t rows;
+  int64_t columns;
+  int64_t row;
+  int64_t column;
+  int64_t offset;
+
+  LIGHTNING_ACT_HD void next() {
+    if (row + 1 < rows) {
+      ++row;
+      offset += columns;
+    } else if (column + 1 < columns) {  // the top of the next column
+      row = 0;
+      ++column;
+      offset -= (rows - 1) * columns - 1;
+    } else {  // the first value of the next matrix, just past this one's last
+      row = 0;
+      column = 0;
+      offset += 1;
+    }
+  }
+};
+
+struct ColumnMajorOrder {
+  int64_t rows;
+  int64_t columns;
+
+  // The cursor on value `index` of the read.
+  LIGHTNING_ACT_HD ColumnMajorCursor at(int64_t index) const {
+    const int64_t values_per_matrix = rows * columns;
+    const int64_t matrix = index / values_per_matrix;
+    const int64_t within = index - matrix * values_per_matrix;
+    const int64_t column = within / rows;
+    const int64_t row = within - column * rows;
+    return ColumnMajorCursor{rows, columns, row, column, matrix * values_per_matrix + row * columns + column};
+  }
+};
+
 }  // namespace lightning_act

@@ -74,6 +74,9 @@ class ActCompression(Callback):
             indices, LeakyReLU's and dropout's 1-bit tensors are always stored losslessly,
             and ReLU outputs by the quantizer, which keeps their zeros exact.
         block: DIVISION's tile, or the pool codec's kernel.
+        group_order: ``"auto"`` lets each saved tensor's quantization groups run down its
+            columns where its first step measures less rounding noise that way (a
+            transformer's outlier features); ``"memory"`` keeps them along the last axis.
         estimator: how the adaptive policy measures sensitivity: ``"gradient"`` reuses the
             normal training steps (no extra passes); ``"probe"`` runs GACT's probes, one
             extra backward per saved tensor on ``probe_samples`` samples of the batch.
@@ -101,6 +104,7 @@ class ActCompression(Callback):
         seed: int = 0,
         codec: Literal["quant", "division", "pool"] = "quant",
         block: int = 8,
+        group_order: Literal["auto", "memory"] = "auto",
         estimator: Literal["gradient", "probe"] = "probe",
         recalibrate_every_n_steps: int = 1000,
         warmup_steps: int = 20,
@@ -109,7 +113,8 @@ class ActCompression(Callback):
     ):
         super().__init__()
         self.config = CompressionConfig(
-            bits=bits, group_size=group_size, min_numel=min_numel, seed=seed, codec=codec, block=block
+            bits=bits, group_size=group_size, min_numel=min_numel, seed=seed, codec=codec, block=block,
+            group_order=group_order,
         )
         if budget is not None and bits != 2:
             raise ValueError(f"bits={bits!r} and budget={budget!r}: set bits for a fixed policy or budget for an adaptive one")

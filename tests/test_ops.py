@@ -58,15 +58,20 @@ def random_input(numel: int, dtype: torch.dtype, g: torch.Generator, nonfinite: 
     return torch.where(x == 0, torch.zeros((), dtype=dtype), x)
 
 
-def check_against_reference(x: torch.Tensor, bits: int, group_size: int, seed: int, device: str) -> None:
-    codes, stats = ops.quantize_pack(x.to(device), bits, group_size, seed)
-    expected_codes, expected_stats = reference.quantize_pack(x, bits, group_size, seed)
-    case = f"numel={x.numel()} dtype={x.dtype} bits={bits} group_size={group_size} seed={seed}"
+def check_against_reference(
+    x: torch.Tensor, bits: int, group_size: int, seed: int, device: str, column_major: bool = False
+) -> None:
+    codes, stats = ops.quantize_pack(x.to(device), bits, group_size, seed, column_major)
+    expected_codes, expected_stats = reference.quantize_pack(x, bits, group_size, seed, column_major)
+    case = f"shape={tuple(x.shape)} dtype={x.dtype} bits={bits} group_size={group_size} seed={seed}"
+    case += " column_major" if column_major else ""
     assert_same_bits(codes, expected_codes, f"codes ({case})")
     assert_same_bits(stats, expected_stats, f"stats ({case})")
+    matrix = x.shape[-2:] if column_major else (0, 0)
     for dtype in {x.dtype, torch.float32}:
-        decoded = ops.unpack_dequantize(codes, stats, bits, group_size, x.numel(), dtype)
-        expected = reference.unpack_dequantize(expected_codes, expected_stats, bits, group_size, x.numel(), dtype)
+        decoded = ops.unpack_dequantize(codes, stats, bits, group_size, x.numel(), dtype, *matrix)
+        expected = reference.unpack_dequantize(expected_codes, expected_stats, bits, group_size, x.numel(), dtype,
+                                               *matrix)
         assert_same_bits(decoded, expected, f"decoded as {dtype} ({case})")
 
 
@@ -103,6 +108,32 @@ def test_matches_reference_on_large_tensors(device, numel, dtype, bits, group_si
 def test_multidimensional_input(device, generator):
     x = random_input(3 * 5 * 7 * 11, torch.float32, generator).view(3, 5, 7, 11)
     check_against_reference(x, 2, 32, 99, device)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_column_major_matches_reference_bit_for_bit(device, dtype, bits, generator):
+    """Groups down the columns: matrices shorter and taller than a group, columns that end
+    inside a chunk of 8, a single row or column, a ragged last group."""
+    shapes = [(1, 9), (9, 1), (5, 7, 11), (3, 128, 40), (2, 300, 3), (13, 67), (4, 2, 64, 33)]
+    for group_size in (8, 64, 256):
+        for shape in shapes:
+            x = random_input(torch.Size(shape).numel(), dtype, generator).view(shape)
+            seed = int(torch.randint(2**62, (1,), generator=generator))
+            check_against_reference(x, bits, group_size, seed, device, column_major=True)
+
+
+def test_column_major_reads_the_transposed_order(device, generator):
+    """The same codes as the transposed tensor's in memory order; decoding gives the input's
+    memory order back."""
+    x = random_input(6 * 50 * 24, torch.float32, generator, nonfinite=False).view(6, 50, 24).to(device)
+    codes, stats = ops.quantize_pack(x, 4, 64, 3, column_major=True)
+    transposed_codes, transposed_stats = ops.quantize_pack(x.transpose(1, 2).contiguous(), 4, 64, 3)
+    assert torch.equal(codes, transposed_codes) and torch.equal(stats.view(torch.int16), transposed_stats.view(torch.int16))
+    decoded = ops.unpack_dequantize(codes, stats, 4, 64, x.numel(), torch.float32, 50, 24).view(x.shape)
+    plain = ops.unpack_dequantize(transposed_codes, transposed_stats, 4, 64, x.numel(), torch.float32)
+    assert torch.equal(decoded, plain.view(6, 24, 50).transpose(1, 2))
+    assert (decoded - x).abs().max() < (x.max() - x.min()) / 15 * 1.01
 
 
 def test_signed_zeros(device):
@@ -152,6 +183,7 @@ def test_seed_changes_codes(device, generator):
         (lambda x: ops.quantize_pack(x, 2, 4, 0), "group_size=4"),
         (lambda x: ops.quantize_pack(x.double(), 2, 256, 0), "input dtype is Double; allowed: Float, Half, BFloat16"),
         (lambda x: ops.quantize_pack(x.view(32, 32).t(), 2, 256, 0), "input must be contiguous"),
+        (lambda x: ops.quantize_pack(x, 2, 256, 0, column_major=True), "column_major=True .* at least 2-D"),
     ],
 )
 def test_quantize_rejects_bad_arguments(device, call, message):
@@ -174,6 +206,10 @@ def test_decode_rejects_bad_arguments(device):
         decode(codes, stats, 2, 256, 1024, torch.int64)
     with pytest.raises(RuntimeError, match="codes hold 256 bytes; 4 groups of 256 values at 8 bits need 1024"):
         decode(codes, stats, 8, 256, 1024, torch.float32)
+    with pytest.raises(RuntimeError, match="rows=3, columns=5: allowed are both 0 .* numel=1024 a multiple"):
+        decode(codes, stats, 2, 256, 1024, torch.float32, 3, 5)
+    with pytest.raises(RuntimeError, match="rows=32, columns=0"):
+        decode(codes, stats, 2, 256, 1024, torch.float32, 32, 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -182,6 +218,11 @@ def test_opcheck(device, dtype, generator):
     torch.library.opcheck(torch.ops.lightning_act.quantize_pack.default, (x, 2, 64, 5))
     codes, stats = ops.quantize_pack(x, 2, 64, 5)
     torch.library.opcheck(torch.ops.lightning_act.unpack_dequantize.default, (codes, stats, 2, 64, 1000, dtype))
+    matrices = x.view(8, 125)
+    torch.library.opcheck(torch.ops.lightning_act.quantize_pack.default, (matrices, 2, 64, 5, True))
+    codes, stats = ops.quantize_pack(matrices, 2, 64, 5, column_major=True)
+    torch.library.opcheck(torch.ops.lightning_act.unpack_dequantize.default,
+                          (codes, stats, 2, 64, 1000, dtype, 8, 125))
 
 
 def test_cpu_kernels_are_loaded():

@@ -38,6 +38,7 @@ from lightning_act.capture import compiled as compiled_module
 from lightning_act.capture import decide as decide_module
 from lightning_act.capture.compiled import COMPILED_REGION, GraphHooks, Plan, SeedStream
 from lightning_act.capture.decide import Decision, Kind, decide
+from lightning_act.capture.group_order import GroupOrders
 from lightning_act.capture.records import (
     Compressed,
     KeptRecord,
@@ -88,7 +89,7 @@ class Probe:
 
     def __init__(self, seed: int):
         self.slots: list[str] = []
-        self._held: dict[str, tuple[torch.Tensor, GroupQuantCodec]] = {}
+        self._held: dict[str, tuple[torch.Tensor, GroupQuantCodec, bool]] = {}
         self.noisy_slot: str | None = None
         self.bits = 2
         self._seed = seed
@@ -103,10 +104,10 @@ class Probe:
         self._draws += 1
         return splitmix64(self._seed + self._draws) >> 1
 
-    def add(self, slot: str, dense: torch.Tensor, codec: GroupQuantCodec) -> None:
-        """A slot to probe, with the exact tensor its record holds and its quantizer."""
+    def add(self, slot: str, dense: torch.Tensor, codec: GroupQuantCodec, column_major: bool) -> None:
+        """A slot to probe, with the exact tensor its record holds, its quantizer and group order."""
         self.slots.append(slot)
-        self._held[slot] = (dense, codec)
+        self._held[slot] = (dense, codec, column_major)
 
     def rounding_energies(self, widths: Sequence[int]) -> torch.Tensor:
         """``||Q_b(x) - x||**2`` of every slot (rows) at every width (columns), from one
@@ -114,8 +115,9 @@ class Probe:
         backward scales it."""
         rows = []
         for slot in self.slots:
-            dense, codec = self._held[slot]
-            errors = [(codec.pack(dense, b, self.next_seed()).unpack() - dense).float().square().sum() for b in widths]
+            dense, codec, column_major = self._held[slot]
+            errors = [(codec.pack(dense, b, self.next_seed(), column_major).unpack() - dense).float().square().sum()
+                      for b in widths]
             rows.append(torch.stack(errors))
         return torch.stack(rows).cpu() if rows else torch.zeros(0, len(widths))
 
@@ -152,6 +154,8 @@ class ActivationCapture:
         self.codec = self._codecs[self.config.codec]
         # Quantizers with smaller groups, for normalisations' rows shorter than a group.
         self._row_codecs: dict[int, GroupQuantCodec] = {}
+        #: Per slot, whether its groups run down its columns (decided on its first step).
+        self.group_orders = GroupOrders.of(model, self.config.group_size)
         self._mask_codec = MaskCodec()
         self._sign_codec = SignMaskCodec()
         self._index_codec = IndexCodec()
@@ -165,6 +169,7 @@ class ActivationCapture:
                 # named as in the module the user compiled.
                 name = ".".join(part for part in name.split(".") if part != "_orig_mod")
                 self._names[module] = name or type(module).__name__
+        self._orders_groups = self.config.group_order == "auto"
         #: Every slot seen so far, with what the policy needs to allocate bits to it.
         self.slots: dict[str, SlotInfo] = {}
         #: Set by the caller for the sessions whose statistics feed a recalibration.
@@ -246,6 +251,7 @@ class ActivationCapture:
             sys.modules["torch._inductor.config"].layout_optimization = self._layout_optimization
             self._layout_optimization = None
         self._release_records()
+        self.group_orders.settle()
         if not self._rules_checked and self.report.modules:
             # After the first session that saved anything: a rule that matched nothing is a typo.
             self._rules_checked = True
@@ -673,13 +679,16 @@ class ActivationCapture:
             op=op,
             min_bits=decision.min_bits,
         )
+        # Groups down the columns where that was measured to round with less noise.
+        column_major = codec is self._codecs["quant"] and self._orders_groups and self.group_orders.order(slot, dense)
         if self._probe is not None:
             # Probed through the quantizer with the groups the tensor would be stored in.
             probe_codec = codec if isinstance(codec, GroupQuantCodec) else self._codecs["quant"]
             if not self.policy.pins_bits(info):  # a rule decides its bits: nothing to measure
-                self._probe.add(slot, dense.detach(), probe_codec)
+                self._probe.add(slot, dense.detach(), probe_codec, column_major)
             self._account(module, t, Outcome.EXACT, 0)
-            return Compressed(ProbeRecord(self._probe, slot, dense.detach(), probe_codec), layout, restorer)
+            return Compressed(ProbeRecord(self._probe, slot, dense.detach(), probe_codec, column_major), layout,
+                              restorer)
         bits = self.policy.bits_for(slot, info)
         dense_bytes = layout.numel * dense.element_size()  # without the padding of rows
         if bits is None:
@@ -688,7 +697,8 @@ class ActivationCapture:
             self.report.slots[slot] = SlotMemory(module, tuple(t.shape), None, dense_bytes, dense_bytes, "stored", op)
             return t.detach()
         self._packs += 1
-        record = codec.pack(dense, bits, splitmix64(self._seed + self._packs) >> 1)
+        seed = splitmix64(self._seed + self._packs) >> 1
+        record = codec.pack(dense, bits, seed, column_major=True) if column_major else codec.pack(dense, bits, seed)
         if isinstance(record, StoredTensor):  # a shape the codec does not compress (pool on 2-D)
             self._account(module, t, Outcome.KEPT, 0)
             return t.detach()

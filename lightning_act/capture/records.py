@@ -228,19 +228,20 @@ class ProbeRecord:
     the quantizer the tensor would be stored with.
     """
 
-    __slots__ = ("probe", "slot", "dense", "codec")
+    __slots__ = ("probe", "slot", "dense", "codec", "column_major")
 
-    def __init__(self, probe, slot: str, dense: torch.Tensor, codec):
+    def __init__(self, probe, slot: str, dense: torch.Tensor, codec, column_major: bool = False):
         self.probe = probe
         self.slot = slot
         self.dense = dense
         self.codec = codec
+        self.column_major = column_major
 
     def unpack(self) -> torch.Tensor:
         if self.probe.noisy_slot != self.slot:
             # A copy: what decodes a record owns the tensor, and a substitute restores it in place.
             return self.dense.clone()
-        return self.codec.pack(self.dense, self.probe.bits, self.probe.next_seed()).unpack()
+        return self.codec.pack(self.dense, self.probe.bits, self.probe.next_seed(), self.column_major).unpack()
 
 
 class Shared(NamedTuple):

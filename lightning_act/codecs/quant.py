@@ -11,15 +11,17 @@ class QuantizedTensor:
     """A tensor stored as packed ``bits``-bit codes plus per-group bfloat16 statistics."""
 
     codec = "quant"
-    __slots__ = ("codes", "stats", "bits", "group_size", "shape", "dtype")
+    __slots__ = ("codes", "stats", "bits", "group_size", "shape", "dtype", "column_major")
 
-    def __init__(self, codes, stats, bits: int, group_size: int, shape: torch.Size, dtype: torch.dtype):
+    def __init__(self, codes, stats, bits: int, group_size: int, shape: torch.Size, dtype: torch.dtype,
+                 column_major: bool = False):
         self.codes = codes
         self.stats = stats
         self.bits = bits
         self.group_size = group_size
         self.shape = shape
         self.dtype = dtype
+        self.column_major = column_major
 
     @property
     def nbytes(self) -> int:
@@ -29,7 +31,8 @@ class QuantizedTensor:
     def unpack(self) -> torch.Tensor:
         """A new contiguous tensor of the original shape and dtype."""
         numel = self.shape.numel()
-        flat = ops.unpack_dequantize(self.codes, self.stats, self.bits, self.group_size, numel, self.dtype)
+        matrix = self.shape[-2:] if self.column_major else (0, 0)
+        flat = ops.unpack_dequantize(self.codes, self.stats, self.bits, self.group_size, numel, self.dtype, *matrix)
         return flat.view(self.shape)
 
 
@@ -51,8 +54,10 @@ class GroupQuantCodec:
         ops.check_quant_args(2, group_size)
         self.group_size = group_size
 
-    def pack(self, dense: torch.Tensor, bits: int, seed: int) -> QuantizedTensor:
-        """Quantize a contiguous float tensor; ``seed`` selects the rounding noise."""
+    def pack(self, dense: torch.Tensor, bits: int, seed: int, column_major: bool = False) -> QuantizedTensor:
+        """Quantize a contiguous float tensor; ``seed`` selects the rounding noise. With
+        ``column_major`` (a tensor of at least 2 dimensions) the groups run down the columns
+        of its last two axes (see :mod:`lightning_act.capture.group_order`)."""
         # detached: the record must not hold the autograd graph of what it stores
-        codes, stats = ops.quantize_pack(dense.detach(), bits, self.group_size, seed)
-        return QuantizedTensor(codes, stats, bits, self.group_size, dense.shape, dense.dtype)
+        codes, stats = ops.quantize_pack(dense.detach(), bits, self.group_size, seed, column_major)
+        return QuantizedTensor(codes, stats, bits, self.group_size, dense.shape, dense.dtype, column_major)

@@ -37,14 +37,19 @@ __all__ = [
 ]
 
 
-def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_pack(
+    x: torch.Tensor, bits: int, group_size: int, seed: int, column_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a contiguous float tensor to ``bits`` per value with stochastic rounding.
 
     Args:
-        x: float32, float16 or bfloat16, contiguous, any shape (read in memory order).
+        x: float32, float16 or bfloat16, contiguous, any shape (read in memory order, or
+            with ``column_major`` column by column over its last two axes: groups then run
+            along the second-to-last axis).
         bits: one of :data:`SUPPORTED_BITS`.
         group_size: values sharing one (low, step) pair; a power of two in [8, 65536].
         seed: selects the rounding noise (0 <= seed < 2**63); equal seeds give equal codes.
+        column_major: read ``x`` (at least 2-D) in the order of ``x.transpose(-2, -1)``.
 
     Returns:
         ``(codes, stats)``: packed uint8 codes and bfloat16 ``[groups, 2]`` statistics; the
@@ -54,11 +59,12 @@ def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tup
         RuntimeError: an argument is out of range; the message names it and what is allowed.
     """
     ensure_kernels(x.device)
-    return torch.ops.lightning_act.quantize_pack(x, bits, group_size, seed)
+    return torch.ops.lightning_act.quantize_pack(x, bits, group_size, seed, column_major)
 
 
 def unpack_dequantize(
-    codes: torch.Tensor, stats: torch.Tensor, bits: int, group_size: int, numel: int, dtype: torch.dtype
+    codes: torch.Tensor, stats: torch.Tensor, bits: int, group_size: int, numel: int, dtype: torch.dtype,
+    rows: int = 0, columns: int = 0,
 ) -> torch.Tensor:
     """Decode :func:`quantize_pack`'s output.
 
@@ -69,6 +75,8 @@ def unpack_dequantize(
         group_size: the group size they were packed with.
         numel: values to decode, at most ``groups * group_size``.
         dtype: float32, float16 or bfloat16.
+        rows, columns: for a ``column_major`` pack, the shape of its matrices (the input's
+            last two sizes); the values are then returned in the input's memory order.
 
     Returns:
         A new 1-D tensor of ``numel`` values of ``dtype``.
@@ -77,7 +85,7 @@ def unpack_dequantize(
         RuntimeError: codes, stats and the sizes do not fit together.
     """
     ensure_kernels(codes.device)
-    return torch.ops.lightning_act.unpack_dequantize(codes, stats, bits, group_size, numel, dtype)
+    return torch.ops.lightning_act.unpack_dequantize(codes, stats, bits, group_size, numel, dtype, rows, columns)
 
 
 def division_pack(

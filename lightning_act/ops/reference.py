@@ -26,7 +26,13 @@ Storage format of ``quantize_pack`` (shared with ``csrc/quant_math.h``):
   statistics: it decodes to NaN, so a non-finite activation can never turn into a finite,
   silently wrong gradient. Such groups are counted
   by the caller (``count_nonfinite_groups``).
-* codes are bit-packed little-endian: value ``i`` of the tensor sits in byte
+* ``column_major``: the input, seen as matrices over its last two axes, is read column by
+  column, i.e. in the order of ``input.transpose(-2, -1).contiguous()``, so a group runs down
+  a column. An activation of shape ``(..., tokens, features)`` then shares a range per
+  feature rather than per token: a feature whose values are much larger than the others'
+  (transformers have a few) widens only its own groups. ``unpack_dequantize`` given the
+  matrices' ``rows`` and ``columns`` writes the values back in row-major memory order;
+* codes are bit-packed little-endian: value ``i`` of the sequence read sits in byte
   ``i * bits // 8`` at bit offset ``i * bits % 8`` (the interleaved order of
   :mod:`lightning_act.ops.layout`).
 
@@ -162,20 +168,24 @@ def _quantize_chunk(x: torch.Tensor, bits: int, group_size: int, seed: int, star
     return codes.view(-1), stats
 
 
-def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize and bit-pack a floating-point tensor (any shape, read in memory order).
+def quantize_pack(
+    x: torch.Tensor, bits: int, group_size: int, seed: int, column_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize and bit-pack a floating-point tensor (any shape, read in memory order, or
+    column by column over its last two axes with ``column_major``).
 
     Args:
         x: float32, float16 or bfloat16 tensor, contiguous.
         bits: bits per value, one of 1, 2, 4, 8.
         group_size: values per group (power of two, 8 to 65536).
         seed: selects the rounding noise; the same seed gives the same codes.
+        column_major: read ``x`` (at least 2-D) in the order of ``x.transpose(-2, -1)``.
 
     Returns:
         ``codes``: uint8 ``[groups * group_size * bits // 8]``; ``stats``: bfloat16 ``[groups, 2]``.
     """
-    validation.check_quantize_pack(x, bits, group_size)
-    flat = x.reshape(-1)
+    validation.check_quantize_pack(x, bits, group_size, column_major)
+    flat = (x.transpose(-2, -1) if column_major else x).reshape(-1)
     n = flat.numel()
     groups = num_groups(n, group_size)
     padded = groups * group_size
@@ -195,18 +205,22 @@ def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tup
 
 
 def unpack_dequantize(
-    codes: torch.Tensor, stats: torch.Tensor, bits: int, group_size: int, numel: int, dtype: torch.dtype
+    codes: torch.Tensor, stats: torch.Tensor, bits: int, group_size: int, numel: int, dtype: torch.dtype,
+    rows: int = 0, columns: int = 0,
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_pack`: a 1-D tensor of ``numel`` values of ``dtype``."""
-    validation.check_unpack_dequantize(codes, stats, bits, group_size, numel, dtype)
+    """Inverse of :func:`quantize_pack`: a 1-D tensor of ``numel`` values of ``dtype``, in
+    memory order; for a column-major pack of ``rows x columns`` matrices, pass both."""
+    validation.check_unpack_dequantize(codes, stats, bits, group_size, numel, dtype, rows=rows, columns=columns)
     c = unpack_bit_fields(codes, bits, planar=False).view(-1, group_size).float()
     low = stats[:, 0:1].float()
     signed_step = stats[:, 1:2].float()
     zero_preserving = torch.signbit(signed_step)
     k = c - zero_preserving.float()
     values = low + k * signed_step.abs()
-    values = torch.where(zero_preserving & (c == 0), 0.0, values)
-    return values.view(-1)[:numel].to(dtype)
+    values = torch.where(zero_preserving & (c == 0), 0.0, values).view(-1)[:numel]
+    if rows:
+        values = values.view(-1, columns, rows).transpose(1, 2).reshape(-1)
+    return values.to(dtype)
 
 
 def count_nonfinite_groups(stats: torch.Tensor) -> torch.Tensor:

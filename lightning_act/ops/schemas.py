@@ -17,9 +17,13 @@ from lightning_act.ops.layout import num_groups, tile_grid
 __all__ = ["LIBRARY"]
 
 LIBRARY = torch.library.Library("lightning_act", "DEF")
-LIBRARY.define("quantize_pack(Tensor input, int bits, int group_size, int seed) -> (Tensor codes, Tensor stats)")
 LIBRARY.define(
-    "unpack_dequantize(Tensor codes, Tensor stats, int bits, int group_size, int numel, ScalarType dtype) -> Tensor"
+    "quantize_pack(Tensor input, int bits, int group_size, int seed, bool column_major=False)"
+    " -> (Tensor codes, Tensor stats)"
+)
+LIBRARY.define(
+    "unpack_dequantize(Tensor codes, Tensor stats, int bits, int group_size, int numel, ScalarType dtype,"
+    " int rows=0, int columns=0) -> Tensor"
 )
 LIBRARY.define(
     "division_pack(Tensor input, int block_h, int block_w, int bits, int group_size, int seed, ScalarType lfc_dtype)"
@@ -38,14 +42,14 @@ def _empty_codes_and_stats(input: torch.Tensor, bits: int, group_size: int) -> t
 
 
 @torch.library.register_fake("lightning_act::quantize_pack")
-def _quantize_pack_fake(input, bits, group_size, seed):
-    validation.check_quantize_pack(input, bits, group_size)
+def _quantize_pack_fake(input, bits, group_size, seed, column_major=False):
+    validation.check_quantize_pack(input, bits, group_size, column_major)
     return _empty_codes_and_stats(input, bits, group_size)
 
 
 @torch.library.register_fake("lightning_act::unpack_dequantize")
-def _unpack_dequantize_fake(codes, stats, bits, group_size, numel, dtype):
-    validation.check_unpack_dequantize(codes, stats, bits, group_size, numel, dtype)
+def _unpack_dequantize_fake(codes, stats, bits, group_size, numel, dtype, rows=0, columns=0):
+    validation.check_unpack_dequantize(codes, stats, bits, group_size, numel, dtype, rows=rows, columns=columns)
     return codes.new_empty(numel, dtype=dtype)
 
 

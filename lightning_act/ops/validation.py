@@ -84,18 +84,25 @@ def _check_contiguous(op: str, what: str, tensor: torch.Tensor) -> None:
     )
 
 
-def check_quantize_pack(input: torch.Tensor, bits: int, group_size: int) -> None:
+def check_quantize_pack(input: torch.Tensor, bits: int, group_size: int, column_major: bool = False) -> None:
     """Checks ``quantize_pack``'s arguments (RuntimeError naming the first bad one)."""
     _check_quant_op_args("quantize_pack", bits, group_size)
     _check_float("quantize_pack", "input dtype", input.dtype)
     _check_contiguous("quantize_pack", "input", input)
+    _check(
+        not column_major or input.dim() >= 2,
+        "quantize_pack",
+        f"column_major=True reads matrices column by column: input must be at least 2-D; got shape {tuple(input.shape)}",
+    )
 
 
 def check_unpack_dequantize(
     codes: torch.Tensor, stats: torch.Tensor, bits: int, group_size: int, numel: int, dtype: torch.dtype,
-    op: str = "unpack_dequantize",
+    op: str = "unpack_dequantize", rows: int = 0, columns: int = 0,
 ) -> None:
-    """Checks ``unpack_dequantize``'s arguments: codes and stats against each other and ``numel``."""
+    """Checks ``unpack_dequantize``'s arguments: codes and stats against each other and ``numel``,
+    and the matrices of a column-major pack (``rows`` and ``columns`` both 0, or both
+    positive and dividing ``numel`` into whole matrices)."""
     _check_quant_op_args(op, bits, group_size)
     _check(codes.dtype == torch.uint8, op, f"codes dtype is {codes.dtype}; allowed: torch.uint8")
     _check_contiguous(op, "codes", codes)
@@ -116,6 +123,13 @@ def check_unpack_dequantize(
         f"numel={numel} must be in [0, {groups * group_size}] for {groups} groups of {group_size}",
     )
     _check_float(op, "dtype", dtype)
+    plain = rows == 0 and columns == 0
+    _check(
+        plain or (rows > 0 and columns > 0 and numel % (rows * columns) == 0),
+        op,
+        f"rows={rows}, columns={columns}: allowed are both 0 (values in memory order) or both positive with "
+        f"numel={numel} a multiple of rows * columns (whole matrices packed column by column)",
+    )
 
 
 def _check_blocks(op: str, block_h: int, block_w: int) -> None:

@@ -2,14 +2,15 @@
 // standard input, reading and writing raw little-endian arrays (test_emulated_kernels.py
 // writes the inputs and compares the outputs with the CPU kernels):
 //
-//   quantize_pack DTYPE BITS GROUP SEED SMS OFFSET NUMEL INPUT CODES STATS
-//   unpack_dequantize DTYPE BITS GROUP SMS OFFSET NUMEL CODES STATS OUTPUT
+//   quantize_pack DTYPE BITS GROUP SEED SMS OFFSET NUMEL INPUT CODES STATS ROWS COLUMNS
+//   unpack_dequantize DTYPE BITS GROUP SMS OFFSET NUMEL CODES STATS OUTPUT ROWS COLUMNS
 //   division_pack DTYPE LFC_DTYPE PLANES HEIGHT WIDTH BLOCK_H BLOCK_W BITS GROUP SEED SMS OFFSET
 //                 INPUT LFC CODES STATS
 //   division_unpack DTYPE LFC_DTYPE PLANES HEIGHT WIDTH BLOCK_H BLOCK_W BITS GROUP SMS
 //                   LFC CODES STATS OUTPUT
 //
-// DTYPE and LFC_DTYPE are float32, float16 or bfloat16; SMS is the emulated device's
+// ROWS and COLUMNS are 0 for values in memory order, else the matrices of a column_major
+// pack. DTYPE and LFC_DTYPE are float32, float16 or bfloat16; SMS is the emulated device's
 // multiprocessor count, which sets the grid size. OFFSET places the op's input (the codes,
 // for the decoders) OFFSET elements into its allocation, so a nonzero OFFSET makes it
 // misaligned. Every buffer is allocated at its exact size, so AddressSanitizer reports any
@@ -39,6 +40,9 @@
 
 namespace {
 
+using lightning_act::ColumnMajorInputChunks;
+using lightning_act::ColumnMajorOrder;
+using lightning_act::ColumnMajorOutputChunks;
 using lightning_act::InputChunks;
 using lightning_act::OutputChunks;
 using lightning_act::ReconstructedChunks;
@@ -177,33 +181,43 @@ void decode(const Sink& sink, int64_t numel, int bits, int64_t group_size, std::
 void quantize_pack(std::istream& args) {
   std::string dtype, input_path, codes_path, stats_path;
   int bits;
-  int64_t group_size, numel;
+  int64_t group_size, numel, rows, columns;
   uint64_t seed;
   std::size_t offset;
   args >> dtype >> bits >> group_size >> seed >> emu::device().multiprocessors >> offset >> numel >> input_path >>
-      codes_path >> stats_path;
+      codes_path >> stats_path >> rows >> columns;
   require_parsed(args);
   dispatch_dtype(dtype, [&](auto type) {
     using scalar_t = decltype(type);
     Buffer<scalar_t> input(numel, offset);
     input.read(input_path);
-    const InputChunks<scalar_t> source{input.data(), lightning_act::is_aligned(input.data(), 16)};
-    encode(source, numel, bits, group_size, seed, codes_path, stats_path);
+    if (rows > 0) {
+      const ColumnMajorInputChunks<scalar_t> source{input.data(), ColumnMajorOrder{rows, columns}};
+      encode(source, numel, bits, group_size, seed, codes_path, stats_path);
+    } else {
+      const InputChunks<scalar_t> source{input.data(), lightning_act::is_aligned(input.data(), 16)};
+      encode(source, numel, bits, group_size, seed, codes_path, stats_path);
+    }
   });
 }
 
 void unpack_dequantize(std::istream& args) {
   std::string dtype, codes_path, stats_path, output_path;
   int bits;
-  int64_t group_size, numel;
+  int64_t group_size, numel, rows, columns;
   std::size_t offset;
   args >> dtype >> bits >> group_size >> emu::device().multiprocessors >> offset >> numel >> codes_path >>
-      stats_path >> output_path;
+      stats_path >> output_path >> rows >> columns;
   require_parsed(args);
   dispatch_dtype(dtype, [&](auto type) {
     using scalar_t = decltype(type);
     Buffer<scalar_t> output(numel, 0);
-    decode(OutputChunks<scalar_t>{output.data()}, numel, bits, group_size, offset, codes_path, stats_path);
+    if (rows > 0) {
+      const ColumnMajorOutputChunks<scalar_t> sink{output.data(), ColumnMajorOrder{rows, columns}};
+      decode(sink, numel, bits, group_size, offset, codes_path, stats_path);
+    } else {
+      decode(OutputChunks<scalar_t>{output.data()}, numel, bits, group_size, offset, codes_path, stats_path);
+    }
     output.write(output_path);
   });
 }

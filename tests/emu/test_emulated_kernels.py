@@ -131,6 +131,7 @@ class QuantCase:
     offset: int  # elements of misalignment of the input; bytes of the codes when decoding
     multiprocessors: int
     seed: int
+    matrix: tuple[int, int] = (0, 0)  # rows, columns of a column_major pack; (0, 0): memory order
 
 
 def quant_cases(g: torch.Generator) -> list[QuantCase]:
@@ -160,6 +161,12 @@ def quant_cases(g: torch.Generator) -> list[QuantCase]:
         cases.append(
             QuantCase(dtype, BITS[draw(4)], 8 << draw(6), numel, draw(3), MULTIPROCESSORS[draw(3)], draw(2**62))
         )
+    # Column-major: matrices shorter and taller than a group, columns ending inside a chunk.
+    for index, (rows, columns) in enumerate(((1, 9), (9, 1), (7, 11), (128, 40), (300, 3), (64, 33))):
+        matrices = 1 + draw(4)
+        cases.append(QuantCase(DTYPES[index % len(DTYPES)], BITS[index % len(BITS)], (8, 64, 256)[index % 3],
+                               matrices * rows * columns, draw(3), MULTIPROCESSORS[draw(3)], draw(2**62),
+                               (rows, columns)))
     return cases
 
 
@@ -167,13 +174,15 @@ def test_quantize_pack_and_unpack_dequantize(emulator, tmp_path, generator):
     cases = quant_cases(generator)
     lines, expected = [], []
     for index, case in enumerate(cases):
-        x = misaligned_copy(random_input(case.numel, case.dtype, generator), case.offset)
-        codes, stats = ops.quantize_pack(x, case.bits, case.group_size, case.seed)
+        rows, columns = case.matrix
+        shape = (-1, rows, columns) if rows else (-1,)
+        x = misaligned_copy(random_input(case.numel, case.dtype, generator).view(shape), case.offset)
+        codes, stats = ops.quantize_pack(x, case.bits, case.group_size, case.seed, column_major=rows > 0)
         name = DTYPE_NAMES[case.dtype]
         base = tmp_path / str(index)
         lines.append(
             f"quantize_pack {name} {case.bits} {case.group_size} {case.seed} {case.multiprocessors} {case.offset} "
-            f"{case.numel} {save(x, base.with_suffix('.in'))} {base}.codes {base}.stats"
+            f"{case.numel} {save(x, base.with_suffix('.in'))} {base}.codes {base}.stats {rows} {columns}"
         )
         expected.append((f"{base}.codes", codes, f"quantize_pack codes, {case}"))
         expected.append((f"{base}.stats", stats, f"quantize_pack stats, {case}"))
@@ -181,12 +190,13 @@ def test_quantize_pack_and_unpack_dequantize(emulator, tmp_path, generator):
         save(codes, Path(f"{base}.cpu_codes"))
         save(stats, Path(f"{base}.cpu_stats"))
         for out_dtype in dict.fromkeys((case.dtype, torch.float32)):
-            decoded = ops.unpack_dequantize(codes, stats, case.bits, case.group_size, case.numel, out_dtype)
+            decoded = ops.unpack_dequantize(codes, stats, case.bits, case.group_size, case.numel, out_dtype, rows,
+                                            columns)
             out = f"{base}.{DTYPE_NAMES[out_dtype]}"
             codes_offset = int(torch.randint(8, (1,), generator=generator))
             lines.append(
                 f"unpack_dequantize {DTYPE_NAMES[out_dtype]} {case.bits} {case.group_size} {case.multiprocessors} "
-                f"{codes_offset} {case.numel} {base}.cpu_codes {base}.cpu_stats {out}"
+                f"{codes_offset} {case.numel} {base}.cpu_codes {base}.cpu_stats {out} {rows} {columns}"
             )
             expected.append((out, decoded, f"unpack_dequantize to {out_dtype}, codes offset {codes_offset}, {case}"))
 
