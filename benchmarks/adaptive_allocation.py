@@ -5,9 +5,10 @@ first trained for the callback's default warm-up (20 steps, with its example's o
 SGD with momentum, AdamW), it compares uniform 2-bit quantization with the adaptive policy
 at the same stored bytes (a budget of 2 stores what uniform 2 bits stores, 8-bit floors
 included), its sensitivities estimated from the normal training step
-("gradient"), by GACT's probes on the raw gradient ("probe_gradient"), by the probes on
-the optimizer's update ("probe_update"), or by the probes on both, each relative to uniform
-2 bits ("probe", what ActCompression does). Variance is measured,
+("gradient"), by the probes on the raw gradient ("probe_gradient"), by the probes on the
+optimizer's update ("probe_update"), or by the probes on both, each relative to uniform 2
+bits ("probe", what ActCompression does), the probes linearized (a cost independent of
+depth) or GACT's own, one backward per tensor ("probe_per_tensor"). Variance is measured,
 not estimated, over rounding seeds, in two norms: the gradient's, the mean of
 ``||g_seed - g_exact||**2``, and the update's, the same with every element weighted by
 ``(lr / d)**2`` as the optimizer scales it (``update_weights``); next to the bytes really
@@ -155,6 +156,10 @@ def run_case(name, model, x, loss_on, optimizer, seeds, probe_rows):
         optimizer.zero_grad()
         full().backward()
         optimizer.step()
+    with ActivationCapture(config, model).capturing(inputs=x):  # settles each tensor's group order
+        loss = full()
+    loss.backward()
+    optimizer.zero_grad()
     params = [p for p in model.parameters() if p.requires_grad]
     weights = update_weights([optimizer], params)
     flat_weights = torch.cat([torch.as_tensor(w, dtype=torch.float32).expand_as(p).flatten()
@@ -186,8 +191,9 @@ def run_case(name, model, x, loss_on, optimizer, seeds, probe_rows):
 
     probes = {}
     variants = {  # estimator -> probe_sensitivities' arguments
-        "probe": {"weights": weights},  # ActCompression's: both norms
-        "probe_gradient": {},  # GACT's: the raw gradient's norm
+        "probe": {"weights": weights},  # ActCompression's: both norms, linearized probes
+        "probe_per_tensor": {"weights": weights, "method": "per_tensor"},  # the same, one backward per tensor
+        "probe_gradient": {},  # the raw gradient's norm (GACT's)
         "probe_update": {"weights": weights, "update_share": 1.0},  # the optimizer update's alone
     }
     for estimator, kwargs in variants.items():

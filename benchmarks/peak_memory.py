@@ -278,11 +278,11 @@ class _Unwritten(QuantizedTensor):
 
 
 def _unwritten_pack(codec: GroupQuantCodec) -> Callable:
-    def pack(dense: torch.Tensor, bits: int, seed: int) -> QuantizedTensor:
+    def pack(dense: torch.Tensor, bits: int, seed: int, column_major: bool = False) -> QuantizedTensor:
         # The op's shape function gives the sizes of its outputs without running it.
-        codes, stats = ops.quantize_pack(dense.detach().to("meta"), bits, codec.group_size, seed)
+        codes, stats = ops.quantize_pack(dense.detach().to("meta"), bits, codec.group_size, seed, column_major)
         return _Unwritten(torch.empty_like(codes, device=dense.device), torch.zeros_like(stats, device=dense.device),
-                          bits, codec.group_size, dense.shape, dense.dtype)
+                          bits, codec.group_size, dense.shape, dense.dtype, column_major)
 
     return pack
 

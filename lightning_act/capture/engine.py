@@ -92,13 +92,25 @@ class Probe:
         self._held: dict[str, tuple[torch.Tensor, GroupQuantCodec, bool]] = {}
         self.noisy_slot: str | None = None
         self.bits = 2
+        #: The noisy slot's decoded tensor, given by :meth:`quantize_only`: every read of
+        #: the slot then sees the same rounding, as the reads of one stored record do.
+        self.decoded: torch.Tensor | None = None
+        #: While set, the backward nodes that read each slot (slot -> nodes, in order).
+        self.readers: dict[str, list] | None = None
         self._seed = seed
         self._draws = 0
 
-    def quantize_only(self, slot: str | None, bits: int) -> None:
-        """Quantize ``slot`` alone at ``bits`` in the following backward passes."""
+    def quantize_only(self, slot: str | None, bits: int, decoded: torch.Tensor | None = None) -> None:
+        """Quantize ``slot`` alone at ``bits`` in the following backward passes (with a
+        fresh rounding per read, or as ``decoded``: see :meth:`decode`)."""
         self.noisy_slot = slot
         self.bits = bits
+        self.decoded = decoded
+
+    def decode(self, slot: str, bits: int) -> torch.Tensor:
+        """``slot``'s held tensor rounded once at ``bits``, as its record would decode it."""
+        dense, codec, column_major = self._held[slot]
+        return codec.pack(dense, bits, self.next_seed(), column_major).unpack()
 
     def next_seed(self) -> int:
         self._draws += 1

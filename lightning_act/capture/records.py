@@ -238,10 +238,18 @@ class ProbeRecord:
         self.column_major = column_major
 
     def unpack(self) -> torch.Tensor:
-        if self.probe.noisy_slot != self.slot:
+        probe = self.probe
+        if probe.readers is not None:
+            node = torch._C._current_autograd_node()
+            readers = probe.readers.setdefault(self.slot, [])
+            if node is not None and node not in readers:
+                readers.append(node)
+        if probe.noisy_slot != self.slot:
             # A copy: what decodes a record owns the tensor, and a substitute restores it in place.
             return self.dense.clone()
-        return self.codec.pack(self.dense, self.probe.bits, self.probe.next_seed(), self.column_major).unpack()
+        if probe.decoded is not None:
+            return probe.decoded.clone()
+        return self.codec.pack(self.dense, probe.bits, probe.next_seed(), self.column_major).unpack()
 
 
 class Shared(NamedTuple):

@@ -22,12 +22,14 @@ is stored at ``b`` bits. Both return ``{slot: {1: v, 2: v, 4: v, 8: v}}``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
 
 from lightning_act.ops.validation import SUPPORTED_BITS
 from lightning_act.policy.allocation import quantization_variance
+from lightning_act.policy.linearized import ForwardRecorder, LinearizedProbe, Mismatch
 
 
 def _levels_variance(bits: int, zero_preserving_fraction: float) -> float:
@@ -113,6 +115,10 @@ def update_weights(optimizers: Sequence[torch.optim.Optimizer], params: Sequence
     return [weights.get(id(p)) for p in params]
 
 
+#: :func:`probe_sensitivities`' ways to measure: see its ``method``.
+PROBE_METHODS = ("linearized", "per_tensor")
+
+
 def probe_sensitivities(
     capture,
     loss_fn: Callable[[], torch.Tensor],
@@ -120,6 +126,8 @@ def probe_sensitivities(
     inputs=None,
     weights: Sequence[torch.Tensor | float | None] | None = None,
     update_share: float = 0.5,
+    method: str = "linearized",
+    directions: int = 8,
 ) -> dict[str, dict[int, float]]:
     """GACT's probe estimator: the gradient variance each tensor adds when quantized alone.
 
@@ -140,6 +148,11 @@ def probe_sensitivities(
             :func:`update_weights`): the variance of the optimizer's update.
         update_share: with ``weights``, the update norm's share of the objective, from 0
             (the raw gradient's alone) to 1 (the update's alone).
+        method: ``"linearized"``, a cost independent of depth: each tensor's error through
+            the backward nodes that read it, and upstream by directional derivatives
+            (:mod:`lightning_act.policy.linearized`); ``"per_tensor"``, GACT's own: one
+            backward through the whole model per tensor.
+        directions: the linearized method's random directions per norm (one forward each).
 
     Returns:
         ``v_i(b)`` per slot for every supported bit width, in the update's units when
@@ -148,35 +161,64 @@ def probe_sensitivities(
     """
     if not 0.0 <= update_share <= 1.0:
         raise ValueError(f"update_share={update_share!r} is not supported; allowed: a number from 0 to 1")
+    if method not in PROBE_METHODS:
+        raise ValueError(f"method={method!r} is not supported; allowed: {', '.join(PROBE_METHODS)}")
+    if isinstance(directions, bool) or not isinstance(directions, int) or directions < 1:
+        raise ValueError(f"directions={directions!r} must be an int >= 1")
     weights = list(weights) if weights is not None else None
     if weights is not None and len(weights) != len(params):
         raise ValueError(f"weights has {len(weights)} entries for {len(params)} params")
     kept = [i for i, p in enumerate(params) if p.requires_grad]
     params = [params[i] for i in kept]
     norms = [None] if weights is None else [None, [weights[i] for i in kept]]
-    with capture.probing(inputs) as probe:
-        loss = loss_fn()
-    exact = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-    floors = {slot: capture.slots[slot].min_bits for slot in probe.slots}
-    # Row i: slot i's rounding noise at each supported width.
-    noise = dict(zip(probe.slots, probe.rounding_energies(SUPPORTED_BITS).tolist()))
-    probed: dict[str, int] = {}
-    measured: list[torch.Tensor] = []
-    for slot in probe.slots:
-        width = _probe_width(floors[slot], noise[slot])
-        if width is None:  # stored exactly at every width it may get: adds no variance
-            continue
-        probe.quantize_only(slot, width)
-        noisy = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-        measured.append(_error_energies(noisy, exact, norms))
-        probed[slot] = width
-    probe.quantize_only(None, 0)
-    del loss
-    values = iter(torch.stack(measured).tolist() if measured else [])
+    devices = sorted({p.device for p in params if p.device.type == "cuda"}, key=str)
+    with torch.random.fork_rng(devices=devices):
+        # Every forward of the linearized method draws the same dropout masks.
+        seed = int(torch.randint(2**62, ()))
+        torch.manual_seed(seed)
+        recorder = ForwardRecorder() if method == "linearized" else contextlib.nullcontext()
+        with capture.probing(inputs) as probe, recorder:
+            loss = loss_fn()
+        floors = {slot: capture.slots[slot].min_bits for slot in probe.slots}
+        # Row i: slot i's rounding noise at each supported width.
+        noise = dict(zip(probe.slots, probe.rounding_energies(SUPPORTED_BITS).tolist()))
+        probed = {slot: width for slot in probe.slots
+                  if (width := _probe_width(floors[slot], noise[slot])) is not None}  # else exact at every width
+        measured: dict[str, list[float]] = {}
+        if method == "linearized":
+            linearized = LinearizedProbe(probe, recorder, loss, params, norms)
+            exact = linearized.exact
+            for slot, width in probed.items():
+                linearized.add(slot, width)
+
+            def forward():
+                torch.manual_seed(seed)
+                return loss_fn()
+
+            try:
+                upstream = linearized.upstream(forward, directions)
+            except Mismatch:
+                upstream = None  # the forward is not repeatable: probe every tensor whole
+            if upstream is not None:
+                zero = [0.0] * len(norms)
+                for slot in probed:
+                    if slot not in linearized.unrouted:
+                        local = [float(value) for value in linearized.local[slot]]
+                        measured[slot] = [a + b for a, b in zip(local, upstream.get(slot, zero))]
+            del linearized
+        else:
+            exact = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        for slot, width in probed.items():
+            if slot not in measured:
+                probe.quantize_only(slot, width)
+                noisy = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+                measured[slot] = _error_energies(noisy, exact, norms).tolist()
+        probe.quantize_only(None, 0)
+        del loss
     tables = [{slot: dict.fromkeys(SUPPORTED_BITS, 0.0) for slot in probe.slots} for _ in norms]
     for slot, width in probed.items():
         energy = dict(zip(SUPPORTED_BITS, noise[slot]))
-        for table, value in zip(tables, next(values)):
+        for table, value in zip(tables, measured[slot]):
             table[slot] = {bits: value * energy[bits] / energy[width] for bits in SUPPORTED_BITS}
     if weights is None:
         return tables[0]
