@@ -5,8 +5,8 @@ the same stored bytes, the gradient's rounding variance (mean over seeds of
 ``||g - g_exact||**2``) of:
 
 * ``memory``: groups of 256 consecutive values in memory order (along the last axis);
-* ``columns``: what the library ships, ``group_order="auto"``: each saved tensor's groups
-  run down its columns where its first step measures less noise that way;
+* ``group axis``: what the library ships, ``group_order="auto"``: each saved tensor's
+  groups run along the axis where its first step measures the least noise;
 * ``rotation``: a randomized Hadamard transform (random signs, then a 256-point Hadamard)
   over each group before rounding, undone after decoding (unbiased for linear reads; it
   spreads an outlier over the group);
@@ -43,7 +43,7 @@ from lightning_act.policy.estimators import probe_sensitivities
 
 SEEDS = 4
 GROUP = 256
-REMEDIES = ("memory", "columns", "rotation", "outliers apart")
+REMEDIES = ("memory", "group axis", "rotation", "outliers apart")
 
 
 def _hadamard(n: int) -> torch.Tensor:
@@ -101,27 +101,27 @@ def _outliers_apart_pack(codec, dense, bits, seed):
     return _Emulated(record, restore)
 
 
-def _pack(codec, dense, bits, seed, column_major=False):
+def _pack(codec, dense, bits, seed, group_axis=None):
     remedy = _remedy["now"]
     if remedy == "rotation" and codec.group_size == GROUP:
         return _rotated_pack(codec, dense, bits, seed)
     if remedy == "outliers apart" and codec.group_size == GROUP and dense.dim() >= 2 and dense.shape[-1] >= 16:
         return _outliers_apart_pack(codec, dense, bits, seed)
-    return _plain_pack(codec, dense, bits, seed, column_major)
+    return _plain_pack(codec, dense, bits, seed, group_axis)
 
 
 quant.GroupQuantCodec.pack = _pack
 
 
 def _config(remedy: str) -> CompressionConfig:
-    return CompressionConfig(bits=2, group_order="auto" if remedy == "columns" else "memory")
+    return CompressionConfig(bits=2, group_order="auto" if remedy == "group axis" else "memory")
 
 
 def measured_variance(workload, exact: torch.Tensor, remedy: str) -> tuple[float, int]:
     _remedy["now"] = remedy
     try:
         capture = ActivationCapture(_config(remedy), workload.model, FixedBits(2))
-        ml.weight_grad(workload, capture, seed=1)  # "columns": the step that surveys the orders
+        ml.weight_grad(workload, capture, seed=1)  # "group axis": the step that surveys the axes
         total = 0.0
         for seed in range(SEEDS):
             total += (ml.weight_grad(workload, capture, seed=1000 + seed) - exact).square().sum().item()
@@ -135,21 +135,21 @@ def noise_by_kind(workload) -> dict[str, dict[str, float]]:
     params = [p for p in workload.model.parameters() if p.requires_grad]
     sensitivity = probe_sensitivities(ActivationCapture(_config("memory"), workload.model), workload.loss, params,
                                       inputs=workload.inputs)
-    capture = ActivationCapture(_config("columns"), workload.model)
+    capture = ActivationCapture(_config("group axis"), workload.model)
     with capture.capturing(inputs=workload.inputs):  # surveys the group orders
         workload.loss()
     with capture.probing(inputs=workload.inputs) as probe:
         workload.loss()
     kinds: dict[str, dict[str, float]] = collections.defaultdict(lambda: dict.fromkeys(("share", *REMEDIES), 0.0))
-    for slot, (dense, codec, column_major) in probe._held.items():
+    for slot, (dense, codec, group_axis) in probe._held.items():
         weight = sensitivity.get(slot, {}).get(2, 0.0)
         if weight <= 0.0:
             continue
         energies = {}
         for remedy in REMEDIES:
-            _remedy["now"] = remedy if remedy != "columns" else "memory"
-            order = column_major if remedy == "columns" else False
-            energies[remedy] = sum((codec.pack(dense, 2, seed, column_major=order).unpack() - dense).float()
+            _remedy["now"] = remedy if remedy != "group axis" else "memory"
+            axis = group_axis if remedy == "group axis" else None
+            energies[remedy] = sum((codec.pack(dense, 2, seed, axis).unpack() - dense).float()
                                    .square().sum().item() for seed in range(SEEDS))
         _remedy["now"] = "memory"
         kind = kinds[capture.slots[slot].op or "other"]

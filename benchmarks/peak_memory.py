@@ -278,11 +278,12 @@ class _Unwritten(QuantizedTensor):
 
 
 def _unwritten_pack(codec: GroupQuantCodec) -> Callable:
-    def pack(dense: torch.Tensor, bits: int, seed: int, column_major: bool = False) -> QuantizedTensor:
-        # The op's shape function gives the sizes of its outputs without running it.
-        codes, stats = ops.quantize_pack(dense.detach().to("meta"), bits, codec.group_size, seed, column_major)
+    def pack(dense: torch.Tensor, bits: int, seed: int, group_axis: int | None = None) -> QuantizedTensor:
+        # The op's shape function gives the sizes of its outputs without running it; they
+        # depend on the number of values only, not on the axis groups run along.
+        codes, stats = ops.quantize_pack(dense.detach().to("meta"), bits, codec.group_size, seed)
         return _Unwritten(torch.empty_like(codes, device=dense.device), torch.zeros_like(stats, device=dense.device),
-                          bits, codec.group_size, dense.shape, dense.dtype, column_major)
+                          bits, codec.group_size, dense.shape, dense.dtype)
 
     return pack
 

@@ -1,4 +1,4 @@
-"""Which way quantization groups run: surveyed per slot on its first step, then kept."""
+"""Along which axis quantization groups run: surveyed per slot on its first step, then kept."""
 
 import pytest
 import torch
@@ -6,6 +6,7 @@ from torch import nn
 
 from lightning_act import ActivationCapture, CompressionConfig, compress_activations, ops
 from lightning_act.capture.group_order import GroupOrders, range_energy
+from lightning_act.codecs import quant
 from lightning_act.policy import FixedBits
 
 
@@ -64,7 +65,7 @@ def test_outlier_features_get_groups_down_the_columns_and_less_noise(generator):
     model, x = Projection(), outlier_features(generator)
     memory, _, _ = error_energy(model, x, "memory")
     columns, mean_error, capture = error_energy(model, x, "auto")
-    assert capture.group_orders.column_major == {"proj#0": True}
+    assert capture.group_orders.axis == {"proj#0": 0}
     assert columns < 0.2 * memory  # the outliers widen only their own groups
     # Still unbiased: the mean of 16 seeds' gradients is about 16x closer than one seed's.
     assert mean_error < columns / 6
@@ -75,7 +76,7 @@ def test_rows_of_different_scale_keep_memory_order(generator):
     model, x = Projection(), scaled_rows(generator)
     memory, _, _ = error_energy(model, x, "memory")
     auto, _, capture = error_energy(model, x, "auto")
-    assert capture.group_orders.column_major == {"proj#0": False}
+    assert capture.group_orders.axis == {"proj#0": None}
     assert auto == pytest.approx(memory, rel=0.5)
 
 
@@ -106,7 +107,7 @@ def test_decisions_are_shared_by_the_plain_api_blocks_of_one_model(generator):
             loss = model(x)
         loss.backward()
     assert capture.group_orders is GroupOrders.of(model, 256)
-    assert capture.group_orders.column_major == {"proj#0": True}
+    assert capture.group_orders.axis == {"proj#0": 0}
 
 
 def test_a_nonfinite_activation_keeps_memory_order(generator):
@@ -116,7 +117,22 @@ def test_a_nonfinite_activation_keeps_memory_order(generator):
     capture = ActivationCapture(CompressionConfig(bits=2, min_numel=0), model, FixedBits(2))
     with capture.capturing(inputs=x):
         model(x)
-    assert capture.group_orders.column_major == {"proj#0": False}
+    assert capture.group_orders.axis == {"proj#0": None}
+
+
+def test_attention_heads_group_along_the_tokens_two_axes_before_the_last(generator):
+    """(batch, tokens, heads, head features) with outlier features: the tokens axis wins."""
+    x = torch.randn(4, 64, 4, 16, generator=generator)
+    x[..., 3] *= 50.0
+    orders = GroupOrders(256)
+    assert orders.order("attn#0", x) is None  # memory order while undecided
+    orders.settle()
+    assert orders.axis == {"attn#0": 1}
+    record = quant.GroupQuantCodec(256).pack(x, 2, 7, group_axis=1)
+    assert record.matrix == (64, 64)
+    decoded = record.unpack()
+    assert decoded.shape == x.shape
+    assert (decoded - x).square().sum() < 0.6 * (quant.GroupQuantCodec(256).pack(x, 2, 7).unpack() - x).square().sum()
 
 
 def test_range_energy_sums_squared_group_ranges():

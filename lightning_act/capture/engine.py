@@ -89,7 +89,7 @@ class Probe:
 
     def __init__(self, seed: int):
         self.slots: list[str] = []
-        self._held: dict[str, tuple[torch.Tensor, GroupQuantCodec, bool]] = {}
+        self._held: dict[str, tuple[torch.Tensor, GroupQuantCodec, int | None]] = {}
         self.noisy_slot: str | None = None
         self.bits = 2
         #: The noisy slot's decoded tensor, given by :meth:`quantize_only`: every read of
@@ -109,17 +109,17 @@ class Probe:
 
     def decode(self, slot: str, bits: int) -> torch.Tensor:
         """``slot``'s held tensor rounded once at ``bits``, as its record would decode it."""
-        dense, codec, column_major = self._held[slot]
-        return codec.pack(dense, bits, self.next_seed(), column_major).unpack()
+        dense, codec, group_axis = self._held[slot]
+        return codec.pack(dense, bits, self.next_seed(), group_axis).unpack()
 
     def next_seed(self) -> int:
         self._draws += 1
         return splitmix64(self._seed + self._draws) >> 1
 
-    def add(self, slot: str, dense: torch.Tensor, codec: GroupQuantCodec, column_major: bool) -> None:
-        """A slot to probe, with the exact tensor its record holds, its quantizer and group order."""
+    def add(self, slot: str, dense: torch.Tensor, codec: GroupQuantCodec, group_axis: int | None) -> None:
+        """A slot to probe, with the exact tensor its record holds, its quantizer and group axis."""
         self.slots.append(slot)
-        self._held[slot] = (dense, codec, column_major)
+        self._held[slot] = (dense, codec, group_axis)
 
     def rounding_energies(self, widths: Sequence[int]) -> torch.Tensor:
         """``||Q_b(x) - x||**2`` of every slot (rows) at every width (columns), from one
@@ -127,8 +127,8 @@ class Probe:
         backward scales it."""
         rows = []
         for slot in self.slots:
-            dense, codec, column_major = self._held[slot]
-            errors = [(codec.pack(dense, b, self.next_seed(), column_major).unpack() - dense).float().square().sum()
+            dense, codec, group_axis = self._held[slot]
+            errors = [(codec.pack(dense, b, self.next_seed(), group_axis).unpack() - dense).float().square().sum()
                       for b in widths]
             rows.append(torch.stack(errors))
         return torch.stack(rows).cpu() if rows else torch.zeros(0, len(widths))
@@ -166,7 +166,7 @@ class ActivationCapture:
         self.codec = self._codecs[self.config.codec]
         # Quantizers with smaller groups, for normalisations' rows shorter than a group.
         self._row_codecs: dict[int, GroupQuantCodec] = {}
-        #: Per slot, whether its groups run down its columns (decided on its first step).
+        #: Per slot, the axis its quantization groups run along (decided on its first step).
         self.group_orders = GroupOrders.of(model, self.config.group_size)
         self._mask_codec = MaskCodec()
         self._sign_codec = SignMaskCodec()
@@ -691,15 +691,17 @@ class ActivationCapture:
             op=op,
             min_bits=decision.min_bits,
         )
-        # Groups down the columns where that was measured to round with less noise.
-        column_major = codec is self._codecs["quant"] and self._orders_groups and self.group_orders.order(slot, dense)
+        # Groups along another axis than the last where that was measured to round with less noise.
+        group_axis = None
+        if codec is self._codecs["quant"] and self._orders_groups:
+            group_axis = self.group_orders.order(slot, dense)
         if self._probe is not None:
             # Probed through the quantizer with the groups the tensor would be stored in.
             probe_codec = codec if isinstance(codec, GroupQuantCodec) else self._codecs["quant"]
             if not self.policy.pins_bits(info):  # a rule decides its bits: nothing to measure
-                self._probe.add(slot, dense.detach(), probe_codec, column_major)
+                self._probe.add(slot, dense.detach(), probe_codec, group_axis)
             self._account(module, t, Outcome.EXACT, 0)
-            return Compressed(ProbeRecord(self._probe, slot, dense.detach(), probe_codec, column_major), layout,
+            return Compressed(ProbeRecord(self._probe, slot, dense.detach(), probe_codec, group_axis), layout,
                               restorer)
         bits = self.policy.bits_for(slot, info)
         dense_bytes = layout.numel * dense.element_size()  # without the padding of rows
@@ -710,7 +712,7 @@ class ActivationCapture:
             return t.detach()
         self._packs += 1
         seed = splitmix64(self._seed + self._packs) >> 1
-        record = codec.pack(dense, bits, seed, column_major=True) if column_major else codec.pack(dense, bits, seed)
+        record = codec.pack(dense, bits, seed) if group_axis is None else codec.pack(dense, bits, seed, group_axis)
         if isinstance(record, StoredTensor):  # a shape the codec does not compress (pool on 2-D)
             self._account(module, t, Outcome.KEPT, 0)
             return t.detach()

@@ -1,23 +1,27 @@
-"""Which way each saved tensor's quantization groups run: along its last axis (memory
-order) or down its columns (``quantize_pack``'s ``column_major``), whichever puts less
-rounding noise in it.
+"""Along which axis each saved tensor's quantization groups run: the last (memory order)
+or an earlier one (``quantize_pack``'s ``column_major`` over a view of the tensor),
+whichever puts the least rounding noise in it.
 
 Stochastic rounding adds noise of energy ``G r**2 S(b) / 6`` to a group of ``G`` values
 spanning ``r``, so a tensor's noise at any width is proportional to the sum of its groups'
-squared ranges. Which order makes that sum smaller depends on the data, not the op:
+squared ranges. Which axis makes that sum smallest depends on the data, not the op:
 
-* a transformer's ``(tokens, features)`` activations have a few features much larger than
-  the rest; in memory order every group (one token's features) spans them, down the columns
-  only their own groups do. On the model-library suite, at 2 bits and the same stored
-  bytes, column groups cut the gradient's rounding variance to 0.12-0.84 of memory order's
-  on the transformers, RNNs, GIN and MobileNet (0.40);
+* a transformer's ``(batch, tokens, features)`` activations have a few features much
+  larger than the rest; in memory order every group (one token's features) spans them,
+  along the tokens only their own groups do. Attention's query, key and value are stored
+  as ``(batch, tokens, heads, head features)``: their groups run best along the tokens,
+  two axes before the last;
 * rows of very different scale favour memory order instead: a GraphSAGE layer on Cora,
-  whose node rows are normalised bag-of-words, had 3.3x the variance with column groups.
+  whose node rows are normalised bag-of-words, had 3.3x the variance with groups along the
+  nodes.
 
-So each slot is surveyed once, on the first step it is saved in, before its order is
-fixed: both orders' sums of squared ranges are reduced on the device as the tensor is
-stored (in memory order), and read in one host transfer when the session stops. Later
-steps store the slot in the order that won, if it won by more than :data:`MARGIN`. The
+So each slot is surveyed once, on the first step it is saved in, before its axis is fixed:
+for every axis, the sum of squared ranges of the groups that would run along it is reduced
+on the device as the tensor is stored (in memory order), and all of them are read in one
+host transfer when the session stops. Later steps store the slot along the axis that won,
+if it beat memory order by more than :data:`MARGIN`. Groups along axis ``k`` read the
+tensor as matrices of ``shape[k]`` rows by the product of the later sizes as columns,
+column by column: the same bytes, the same kernels, a strided read and write. The
 decisions live per model, so the ``with compress_activations(model)`` block of every step
 shares them. ``CompressionConfig(group_order="memory")`` turns the survey off.
 """
@@ -29,8 +33,8 @@ import weakref
 import torch
 from torch import nn
 
-#: Column groups must leave at most this share of memory order's noise to be chosen: a
-#: near tie keeps memory order, whose reads and writes are contiguous.
+#: Another axis must leave at most this share of memory order's noise to be chosen: a near
+#: tie keeps memory order, whose reads and writes are contiguous.
 MARGIN = 0.9
 
 
@@ -43,21 +47,32 @@ def range_energy(values: torch.Tensor, group_size: int) -> torch.Tensor:
     return spread.square().sum()
 
 
-def can_run_down_columns(dense: torch.Tensor, group_size: int) -> bool:
-    """A contiguous tensor with matrices of at least 2 x 2 and a few groups to compare."""
-    return dense.dim() >= 2 and dense.shape[-1] >= 2 and dense.shape[-2] >= 2 and dense.numel() >= 2 * group_size
+def candidate_axes(dense: torch.Tensor, group_size: int) -> list[int]:
+    """The axes other than the last that groups could run along: at least 2 long, with at
+    least 2 values after them per row, in a tensor of a few groups."""
+    if dense.numel() < 2 * group_size:
+        return []
+    return [axis for axis in range(dense.dim() - 1)
+            if dense.shape[axis] >= 2 and dense.shape[axis + 1:].numel() >= 2]
+
+
+def along(dense: torch.Tensor, axis: int) -> torch.Tensor:
+    """``dense``'s values in the order groups along ``axis`` read them (a copy)."""
+    matrices = dense.view(-1, dense.shape[axis], dense.shape[axis + 1:].numel())
+    return matrices.transpose(1, 2).reshape(-1)
 
 
 class GroupOrders:
-    """The group order of each slot of one model at one group size, decided by surveys."""
+    """The group axis of each slot of one model at one group size, decided by surveys."""
 
     _of_model: weakref.WeakKeyDictionary[nn.Module, dict[int, GroupOrders]] = weakref.WeakKeyDictionary()
 
     def __init__(self, group_size: int):
         self.group_size = group_size
-        #: slot -> True where its groups run down its columns.
-        self.column_major: dict[str, bool] = {}
-        self._surveys: dict[str, torch.Tensor] = {}  # slot -> [memory order's, columns'] energies
+        #: slot -> the axis its groups run along; None: the last (memory order).
+        self.axis: dict[str, int | None] = {}
+        # slot -> (candidate axes, energies: memory order's first, then each candidate's)
+        self._surveys: dict[str, tuple[list[int], torch.Tensor]] = {}
 
     @classmethod
     def of(cls, model: nn.Module | None, group_size: int) -> GroupOrders:
@@ -67,26 +82,30 @@ class GroupOrders:
         by_group_size = cls._of_model.setdefault(model, {})
         return by_group_size.setdefault(group_size, cls(group_size))
 
-    def order(self, slot: str, dense: torch.Tensor) -> bool:
-        """Whether to store ``dense`` (contiguous), saved in ``slot``, column-major; surveys
-        the slot while undecided (memory order meanwhile)."""
-        decided = self.column_major.get(slot)
-        if decided is not None:
-            return decided
-        if slot not in self._surveys and can_run_down_columns(dense, self.group_size):
-            with torch.no_grad():
-                columns = dense.transpose(-2, -1).reshape(-1)  # a copy, on the survey step only
-                self._surveys[slot] = torch.stack((range_energy(dense.view(-1), self.group_size),
-                                                   range_energy(columns, self.group_size)))
-        return False
+    def order(self, slot: str, dense: torch.Tensor) -> int | None:
+        """The axis to group ``dense`` (contiguous), saved in ``slot``, along (None: the
+        last); surveys the slot while undecided (memory order meanwhile)."""
+        if slot in self.axis:
+            return self.axis[slot]
+        if slot not in self._surveys and (axes := candidate_axes(dense, self.group_size)):
+            with torch.no_grad():  # copies, on the survey step only
+                energies = [range_energy(dense.view(-1), self.group_size)]
+                energies += [range_energy(along(dense, axis), self.group_size) for axis in axes]
+                self._surveys[slot] = (axes, torch.stack(energies))
+        return None
 
     def settle(self) -> None:
         """Decide every surveyed slot (one host transfer for all of them)."""
         if not self._surveys:
             return
         slots = list(self._surveys)
-        energies = torch.stack([self._surveys[slot] for slot in slots]).tolist()
-        self._surveys.clear()
-        for slot, (memory, columns) in zip(slots, energies):
+        energies = torch.cat([self._surveys[slot][1] for slot in slots]).tolist()
+        start = 0
+        for slot in slots:
+            axes = self._surveys[slot][0]
+            memory, *others = energies[start:start + 1 + len(axes)]
+            start += 1 + len(axes)
+            best = min(range(len(axes)), key=lambda i: others[i])
             # A comparison with NaN (a non-finite activation) is False: memory order.
-            self.column_major[slot] = columns < MARGIN * memory
+            self.axis[slot] = axes[best] if others[best] < MARGIN * memory else None
+        self._surveys.clear()

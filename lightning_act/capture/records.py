@@ -228,14 +228,14 @@ class ProbeRecord:
     the quantizer the tensor would be stored with.
     """
 
-    __slots__ = ("probe", "slot", "dense", "codec", "column_major")
+    __slots__ = ("probe", "slot", "dense", "codec", "group_axis")
 
-    def __init__(self, probe, slot: str, dense: torch.Tensor, codec, column_major: bool = False):
+    def __init__(self, probe, slot: str, dense: torch.Tensor, codec, group_axis: int | None = None):
         self.probe = probe
         self.slot = slot
         self.dense = dense
         self.codec = codec
-        self.column_major = column_major
+        self.group_axis = group_axis
 
     def unpack(self) -> torch.Tensor:
         probe = self.probe
@@ -249,7 +249,7 @@ class ProbeRecord:
             return self.dense.clone()
         if probe.decoded is not None:
             return probe.decoded.clone()
-        return self.codec.pack(self.dense, probe.bits, probe.next_seed(), self.column_major).unpack()
+        return self.codec.pack(self.dense, probe.bits, probe.next_seed(), self.group_axis).unpack()
 
 
 class Shared(NamedTuple):

@@ -11,17 +11,18 @@ class QuantizedTensor:
     """A tensor stored as packed ``bits``-bit codes plus per-group bfloat16 statistics."""
 
     codec = "quant"
-    __slots__ = ("codes", "stats", "bits", "group_size", "shape", "dtype", "column_major")
+    __slots__ = ("codes", "stats", "bits", "group_size", "shape", "dtype", "matrix")
 
     def __init__(self, codes, stats, bits: int, group_size: int, shape: torch.Size, dtype: torch.dtype,
-                 column_major: bool = False):
+                 matrix: tuple[int, int] = (0, 0)):
         self.codes = codes
         self.stats = stats
         self.bits = bits
         self.group_size = group_size
         self.shape = shape
         self.dtype = dtype
-        self.column_major = column_major
+        #: ``(rows, columns)`` of the matrices packed column by column; (0, 0): memory order.
+        self.matrix = matrix
 
     @property
     def nbytes(self) -> int:
@@ -31,8 +32,8 @@ class QuantizedTensor:
     def unpack(self) -> torch.Tensor:
         """A new contiguous tensor of the original shape and dtype."""
         numel = self.shape.numel()
-        matrix = self.shape[-2:] if self.column_major else (0, 0)
-        flat = ops.unpack_dequantize(self.codes, self.stats, self.bits, self.group_size, numel, self.dtype, *matrix)
+        flat = ops.unpack_dequantize(self.codes, self.stats, self.bits, self.group_size, numel, self.dtype,
+                                     *self.matrix)
         return flat.view(self.shape)
 
 
@@ -54,10 +55,15 @@ class GroupQuantCodec:
         ops.check_quant_args(2, group_size)
         self.group_size = group_size
 
-    def pack(self, dense: torch.Tensor, bits: int, seed: int, column_major: bool = False) -> QuantizedTensor:
-        """Quantize a contiguous float tensor; ``seed`` selects the rounding noise. With
-        ``column_major`` (a tensor of at least 2 dimensions) the groups run down the columns
-        of its last two axes (see :mod:`lightning_act.capture.group_order`)."""
+    def pack(self, dense: torch.Tensor, bits: int, seed: int, group_axis: int | None = None) -> QuantizedTensor:
+        """Quantize a contiguous float tensor; ``seed`` selects the rounding noise. Groups run
+        along the last axis (memory order), or along ``group_axis``: the tensor is read as
+        matrices of ``rows = shape[group_axis]`` by ``columns =`` the product of the sizes
+        after it, column by column (see :mod:`lightning_act.capture.group_order`)."""
+        matrix, source = (0, 0), dense
+        if group_axis is not None:
+            matrix = (dense.shape[group_axis], dense.shape[group_axis + 1:].numel())
+            source = dense.view(-1, *matrix)
         # detached: the record must not hold the autograd graph of what it stores
-        codes, stats = ops.quantize_pack(dense.detach(), bits, self.group_size, seed, column_major)
-        return QuantizedTensor(codes, stats, bits, self.group_size, dense.shape, dense.dtype, column_major)
+        codes, stats = ops.quantize_pack(source.detach(), bits, self.group_size, seed, group_axis is not None)
+        return QuantizedTensor(codes, stats, bits, self.group_size, dense.shape, dense.dtype, matrix)
