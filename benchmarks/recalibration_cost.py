@@ -1,13 +1,17 @@
-"""What the adaptive policy's recalibration costs, next to the training steps it serves.
+"""What the adaptive policy's recalibration costs, next to the training steps it serves,
+and how that grows with depth.
 
-Two models of the size the adaptive policy is meant for, each trained by a plain Lightning
-Trainer with ``ActCompression`` at the callback's defaults (probe estimator on 8 samples,
-20 warm-up steps, a recalibration every 1,000 steps) on Tiny Shakespeare:
+Models trained by a plain Lightning Trainer with ``ActCompression`` at the callback's
+defaults (8 probe samples, 20 warm-up steps, a recalibration every 1,000 steps) on Tiny
+Shakespeare, each with the linearized probes (``estimator="probe"``, the default) and with
+GACT's one backward per saved tensor (``"probe_per_tensor"``):
 
 * the Shakespeare config's character transformer (d256, 4 layers, T128, batch 64, budget 4,
   attention pinned at 8 bits), as ``configs/shakespeare_transformer.yaml`` trains it;
 * a small HF ``LlamaForCausalLM`` (``benchmarks/llama_accuracy.py``'s: d128, 2 layers,
-  T64, batch 32, budget 2).
+  T64, batch 32, budget 2);
+* the same Llama at T128, batch 8, budget 2, with 2, 8 and 32 layers: the probes' 8
+  samples are the whole batch, so a probe pass costs what a training pass does.
 
 Each runs the warm-up, the first recalibration and a few steps after it. It reports the
 recalibration's wall time (``ActCompression.recalibration_ms``), the median step time
@@ -55,22 +59,31 @@ def shakespeare_case(data: Path):
     return model, datamodule, {"budget": 4.0, "rules": {"blocks.*.attn*": 8}}
 
 
-def llama_case(data: Path):
-    from llama_accuracy import BLOCK_SIZE, LlamaBytes
+def llama_case(data: Path, n_layers: int = 2, d_model: int = 128, block_size: int = 64, batch_size: int = 32):
+    from llama_accuracy import LlamaBytes
 
-    model = LlamaBytes()
-    datamodule = CharTextDataModule(data / "tinyshakespeare" / "input.txt", block_size=BLOCK_SIZE, batch_size=32,
-                                    num_workers=0)
+    model = LlamaBytes(d_model=d_model, n_layers=n_layers, block_size=block_size)
+    datamodule = CharTextDataModule(data / "tinyshakespeare" / "input.txt", block_size=block_size,
+                                    batch_size=batch_size, num_workers=0)
     return model, datamodule, {"budget": 2.0}
 
 
-CASES = {"shakespeare_transformer": shakespeare_case, "hf_llama": llama_case}
+def llama_depth_case(n_layers: int):
+    """The Llama at hidden 128, T128, batch 8 (the probes' 8 samples are the whole batch)."""
+    return lambda data: llama_case(data, n_layers=n_layers, block_size=128, batch_size=8)
 
 
-def measure(case, data: Path, steps_after: int) -> dict:
+CASES = {
+    "shakespeare_transformer": shakespeare_case,
+    "hf_llama": llama_case,
+    **{f"hf_llama_{depth}_layers": llama_depth_case(depth) for depth in (2, 8, 32)},
+}
+
+
+def measure(case, data: Path, steps_after: int, estimator: str) -> dict:
     L.seed_everything(0)
     model, datamodule, settings = case(data)
-    callback = ActCompression(**settings)
+    callback = ActCompression(**settings, estimator=estimator)
     timer = StepTimes()
     trainer = L.Trainer(
         accelerator="cpu", max_steps=callback.warmup_steps + 1 + steps_after, limit_val_batches=0, logger=False,
@@ -84,7 +97,7 @@ def measure(case, data: Path, steps_after: int) -> dict:
     step_s = statistics.median(timer.seconds[callback.warmup_steps + 1:])
     interval = callback.recalibrate_every_n_steps
     return {
-        "settings": settings,
+        "settings": {**settings, "estimator": estimator},
         "tensors_probed": len(callback.sensitivity),
         "probe_samples": callback.probe_samples,
         "recalibration_s": recalibration_s,
@@ -100,20 +113,22 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--steps-after", type=int, default=5, help="steps timed after the recalibration")
     parser.add_argument("--only", nargs="*", choices=sorted(CASES), help="models to run (default: all)")
+    parser.add_argument("--estimators", nargs="*", default=["probe", "probe_per_tensor"],
+                        choices=["probe", "probe_per_tensor"], help="probe estimators to time")
     args = parser.parse_args()
     results = {"device": "cpu", "machine": platform.machine(), "torch": torch.__version__,
                "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "recalibration_cost_cpu.json"
     for name, case in CASES.items():
         if args.only and name not in args.only:
             continue
-        results[name] = measure(case, args.data, args.steps_after)
-        r = results[name]
-        print(f"{name}: {r['tensors_probed']} tensors probed, recalibration {r['recalibration_s']:.2f} s = "
-              f"{r['recalibration_in_steps']:.1f} steps of {r['step_s']:.3f} s; "
-              f"{r['share_at_defaults_pct']:.2f}% of training at the defaults", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "recalibration_cost_cpu.json"
-    path.write_text(json.dumps(results, indent=2) + "\n")
+        for estimator in args.estimators:
+            results.setdefault(name, {})[estimator] = r = measure(case, args.data, args.steps_after, estimator)
+            print(f"{name} ({estimator}): {r['tensors_probed']} tensors probed, recalibration "
+                  f"{r['recalibration_s']:.2f} s = {r['recalibration_in_steps']:.1f} steps of {r['step_s']:.3f} s; "
+                  f"{r['share_at_defaults_pct']:.2f}% of training at the defaults", flush=True)
+            path.write_text(json.dumps(results, indent=2) + "\n")  # a long run keeps what it finished
     print(f"wrote {path}")
 
 

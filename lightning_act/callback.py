@@ -24,7 +24,9 @@ from lightning_act.policy.bits import bits_name
 from lightning_act.policy.estimators import GradientSensitivity
 
 LOG_PREFIX = "act"
-ESTIMATORS = ("gradient", "probe")
+ESTIMATORS = ("gradient", "probe", "probe_per_tensor")
+# The probes' method in probe_sensitivities, per estimator.
+_PROBE_METHODS = {"probe": "linearized", "probe_per_tensor": "per_tensor"}
 #: Rows of the end-of-fit summary; past them, the full table goes to the log directory.
 SUMMARY_ROWS = 20
 
@@ -74,12 +76,15 @@ class ActCompression(Callback):
             indices, LeakyReLU's and dropout's 1-bit tensors are always stored losslessly,
             and ReLU outputs by the quantizer, which keeps their zeros exact.
         block: DIVISION's tile, or the pool codec's kernel.
-        group_order: ``"auto"`` lets each saved tensor's quantization groups run down its
-            columns where its first step measures less rounding noise that way (a
-            transformer's outlier features); ``"memory"`` keeps them along the last axis.
+        group_order: ``"auto"`` lets each saved tensor's quantization groups run along the
+            axis where its first step measures the least rounding noise (along the tokens
+            for a transformer's outlier features); ``"memory"`` keeps them along the last.
         estimator: how the adaptive policy measures sensitivity: ``"gradient"`` reuses the
-            normal training steps (no extra passes); ``"probe"`` runs GACT's probes, one
-            extra backward per saved tensor on ``probe_samples`` samples of the batch.
+            normal training steps (no extra passes); ``"probe"`` measures each saved
+            tensor's gradient error on ``probe_samples`` samples of the batch, linearized:
+            one forward and backward, the nodes that read each tensor once more, and a few
+            forwards, whatever the depth; ``"probe_per_tensor"`` measures the same as GACT
+            does, one backward per saved tensor (a cost that grows with depth).
         recalibrate_every_n_steps: optimizer steps between recalibrations.
         warmup_steps: optimizer steps at the default bits before the first calibration.
         calibration_steps: training steps whose statistics feed one ``"gradient"`` estimate.
@@ -105,7 +110,7 @@ class ActCompression(Callback):
         codec: Literal["quant", "division", "pool"] = "quant",
         block: int = 8,
         group_order: Literal["auto", "memory"] = "auto",
-        estimator: Literal["gradient", "probe"] = "probe",
+        estimator: Literal["gradient", "probe", "probe_per_tensor"] = "probe",
         recalibrate_every_n_steps: int = 1000,
         warmup_steps: int = 20,
         calibration_steps: int = 4,
@@ -189,10 +194,10 @@ class ActCompression(Callback):
                 "(requires_grad_(True)) or use trainer.validate/test for a frozen model"
             )
         self._fit_started = time.perf_counter()
-        if self.adaptive and self.estimator == "probe" and not pl_module.automatic_optimization:
+        if self.adaptive and self.estimator in _PROBE_METHODS and not pl_module.automatic_optimization:
             rank_zero_warn(
-                "lightning_act: estimator='probe' needs automatic optimization (it calls training_step on a "
-                "slice of the batch); using estimator='gradient' instead."
+                f"lightning_act: estimator={self.estimator!r} needs automatic optimization (it calls training_step "
+                "on a slice of the batch); using estimator='gradient' instead."
             )
             self.estimator = "gradient"
 
@@ -201,7 +206,7 @@ class ActCompression(Callback):
         if self.capture is None:
             return
         if self.adaptive and self._calibration_end is None and trainer.global_step >= self._next_calibration:
-            if self.estimator == "probe":
+            if self.estimator in _PROBE_METHODS:
                 self._recalibrate_by_probes(trainer, pl_module, batch, batch_idx)
             else:
                 self._gradient_estimate = GradientSensitivity()
@@ -315,8 +320,8 @@ class ActCompression(Callback):
         started = time.perf_counter()
         sample = _leading_rows(batch, self.probe_samples)
         rank_zero_info(
-            f"lightning_act: recalibrating the bits at step {trainer.global_step}: one backward per saved tensor "
-            f"on {self.probe_samples} samples of the batch"
+            f"lightning_act: recalibrating the bits at step {trainer.global_step}: probing the saved tensors "
+            f"({_PROBE_METHODS[self.estimator]}) on {self.probe_samples} samples of the batch"
         )
 
         def loss_fn() -> torch.Tensor:
@@ -327,7 +332,8 @@ class ActCompression(Callback):
         # A compiled backward frees what its graph saved as it runs (donated buffers), so it
         # cannot run once per probe: the probes run compiled code eagerly.
         with torch.compiler.set_stance("force_eager"):
-            sensitivity = self.capture.measure_sensitivity(loss_fn, inputs=sample, optimizers=trainer.optimizers)
+            sensitivity = self.capture.measure_sensitivity(loss_fn, inputs=sample, optimizers=trainer.optimizers,
+                                                           method=_PROBE_METHODS[self.estimator])
         self._solve(trainer, sensitivity, started)
 
     def _solve(self, trainer: pl.Trainer, sensitivity: dict[str, dict[int, float]], started: float) -> None:

@@ -59,7 +59,7 @@ def test_recalibration_is_announced_when_it_starts_and_when_it_ends(tmp_path, ca
     with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
         trainer_for(tmp_path, [callback], 3, enable_checkpointing=False).fit(SmallCNN(), loader())
     lines = [record.getMessage() for record in caplog.records if "recalibrat" in record.getMessage()]
-    assert lines[0].startswith("lightning_act: recalibrating the bits at step 1: one backward per saved tensor on 8")
+    assert lines[0].startswith("lightning_act: recalibrating the bits at step 1: probing the saved tensors (linearized) on 8")
     assert lines[1].startswith("lightning_act: recalibrated at step 1 in ")
     assert "% of the training time so far" in lines[1] and lines[1].endswith("next at step 101")
     widths = sum(int(part.split(" at ")[0]) for part in lines[1].split("width: ")[1].split(";")[0].split(", "))

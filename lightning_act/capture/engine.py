@@ -394,6 +394,7 @@ class ActivationCapture:
         loss_fn: Callable[[], torch.Tensor],
         inputs: Any = None,
         optimizers: Sequence[torch.optim.Optimizer] = (),
+        method: str = "linearized",
     ) -> dict[str, dict[int, float]]:
         """GACT's probes (:func:`~lightning_act.policy.estimators.probe_sensitivities`) on the
         model, leaving no trace: the random state (dropout), the buffers (BatchNorm running
@@ -406,6 +407,9 @@ class ActivationCapture:
                 is then that of the raw gradient and of their update (Adam's per-element
                 scaling included, see :func:`~lightning_act.policy.estimators.update_weights`)
                 together, each relative to uniform 2 bits; without, the raw gradient's alone.
+            method: ``"linearized"`` (a cost independent of depth) or ``"per_tensor"`` (one
+                backward per saved tensor), see
+                :func:`~lightning_act.policy.estimators.probe_sensitivities`.
 
         Returns:
             Per slot, the variance it adds at each bit width.
@@ -419,7 +423,7 @@ class ActivationCapture:
         was_training = self.model.training
         try:
             with torch.random.fork_rng(devices=devices):
-                return probe_sensitivities(self, loss_fn, params, inputs=inputs, weights=weights)
+                return probe_sensitivities(self, loss_fn, params, inputs=inputs, weights=weights, method=method)
         finally:
             with torch.no_grad():
                 for name, b in self.model.named_buffers():
