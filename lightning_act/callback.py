@@ -165,6 +165,7 @@ class ActCompression(Callback):
         # A recalibration's table waits for the first step run under its bits: its shapes and
         # stored bytes are then the batch's and those bits' own.
         self._pending_allocation: tuple[int, dict[str, dict[int, float]], dict[str, float]] | None = None
+        self._restored_group_axes: dict[str, int | None] = {}
 
     @property
     def adaptive(self) -> bool:
@@ -181,6 +182,7 @@ class ActCompression(Callback):
         if stage != "fit":
             return
         self.capture = ActivationCapture(self.config, pl_module, self.policy)
+        self.capture.group_orders.axis.update(self._restored_group_axes)
         self._step_peak = StepPeakMemory(trainer.strategy.root_device)
         ensure_kernels(trainer.strategy.root_device)
 
@@ -395,6 +397,9 @@ class ActCompression(Callback):
         state: dict[str, Any] = {"next_calibration": self._next_calibration}
         if self.adaptive:
             state["policy"] = self.policy.state_dict()
+        if self.capture is not None:
+            # A resumed run stores each tensor along the same axis as the run it continues.
+            state["group_axes"] = dict(self.capture.group_orders.axis)
         return state
 
     @override
@@ -402,6 +407,9 @@ class ActCompression(Callback):
         self._next_calibration = int(state_dict.get("next_calibration", self._next_calibration))
         if self.adaptive and "policy" in state_dict:
             self.policy.load_state_dict(state_dict["policy"])
+        self._restored_group_axes = dict(state_dict.get("group_axes", {}))
+        if self.capture is not None:
+            self.capture.group_orders.axis.update(self._restored_group_axes)
 
 
 def _leading_rows(batch: Any, rows: int) -> Any:
