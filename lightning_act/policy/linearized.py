@@ -54,7 +54,8 @@ class Mismatch(RuntimeError):
 
 
 class ForwardRecorder(TorchFunctionMode):
-    """Records the tensor outputs of every torch function in call order.
+    """Records the floating-point outputs of every torch function in call order (calls
+    that return none do not count).
 
     ``record`` mode keeps each output that has a gradient function, keyed by its autograd
     edge ``(grad_fn, output_nr)``; ``compare`` mode hands each wanted output's difference
@@ -74,6 +75,8 @@ class ForwardRecorder(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         outputs = out if isinstance(out, (tuple, list)) else (out,)
         tensors = [(i, t) for i, t in enumerate(outputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if not tensors:  # attribute reads and the like: a lazy first-call setup may add some
+            return out
         call = self._calls
         self._calls += 1
         shapes = tuple((i, tuple(t.shape)) for i, t in tensors)
