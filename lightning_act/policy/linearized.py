@@ -44,9 +44,9 @@ from torch.overrides import TorchFunctionMode
 #: The step of the finite difference, relative to the parameters' norm: small enough that
 #: the curvature's share of the difference is negligible, large enough for float32.
 RELATIVE_STEP = 1e-3
-#: How many nodes an activation gradient's error is followed through to reach an activation
-#: that a torch function returned.
-MAX_HOPS = 16
+#: How many nodes a tensor's errors are followed through, at most, to reach the activations
+#: that torch functions returned.
+MAX_CALLS = 64
 
 
 class Mismatch(RuntimeError):
@@ -135,7 +135,7 @@ class LinearizedProbe:
         self.params = list(params)
         self.norms = norms  # per norm: None (plain) or a weight per parameter
         self._param_index = {id(p): i for i, p in enumerate(self.params)}
-        self._received: dict = {}
+        self._received: dict = {}  # node -> its incoming gradients, in the order backward ran them
         handles = [node.register_prehook(self._receive(node)) for node in graph_nodes(loss.grad_fn)]
         probe.readers = {}
         try:
@@ -144,6 +144,7 @@ class LinearizedProbe:
             self.readers, probe.readers = probe.readers, None
             for handle in handles:
                 handle.remove()
+        self._order = {node: i for i, node in enumerate(self._received)}
         self._exact_calls: dict = {}
         #: per slot: the squared error of the parameters its readers write, per norm.
         self.local: dict[str, list[torch.Tensor]] = {}
@@ -168,8 +169,8 @@ class LinearizedProbe:
         if not readers or any(node not in self._received for node in readers):
             self.unrouted.add(slot)
             return
-        self.local[slot] = [torch.zeros((), dtype=torch.float64) for _ in self.norms]
         decoded = self.probe.decode(slot, bits)
+        errors = []
         for node in readers:
             grad_outputs = self._received[node]
             if node not in self._exact_calls:
@@ -179,44 +180,68 @@ class LinearizedProbe:
                 noisy = self._call(node, grad_outputs)
             finally:
                 self.probe.quantize_only(None, 0)
-            for (next_node, output_nr), n, e in zip(node.next_functions, noisy, self._exact_calls[node]):
-                if n is not None and e is not None:
-                    self._route(slot, next_node, output_nr, n - e, 0)
+            errors += [(edge, n - e) for edge, n, e in zip(node.next_functions, noisy, self._exact_calls[node])
+                       if n is not None and e is not None]
+        self._route(slot, errors)
 
-    def _route(self, slot: str, node, output_nr: int, error: torch.Tensor, hops: int) -> None:
-        if node is None:
-            return
-        variable = getattr(node, "variable", None)
-        # Called directly, a node returns the gradient of a broadcast input unreduced; the
-        # engine would sum it to the input's shape.
-        if variable is not None:
-            error = _sum_to(error, variable.shape)
-        elif (key := self.recorder.index.get((node, output_nr))) is not None:
-            error = _sum_to(error, self.recorder.recorded[key].shape)
-        elif (received := self._received.get(node)) is not None and received[output_nr] is not None:
+    def _route(self, slot: str, errors: list) -> None:
+        """Follows ``[((node, output_nr), error)]`` to parameters and recorded activations.
+
+        Nodes in between are called, each once with everything that reaches it, in the
+        order the exact backward ran them, which is when every error bound for a node has
+        arrived; a node returns an error that ``alone`` would cause, being linear in it."""
+        param_errors: dict[int, torch.Tensor] = {}
+        pending: dict = {}  # node -> {output_nr: error}
+
+        def reach(node, output_nr: int, error: torch.Tensor) -> bool:
+            if node is None:
+                return True
+            variable = getattr(node, "variable", None)
+            if variable is not None:  # a parameter's (or an input's) gradient accumulator
+                index = self._param_index.get(id(variable))
+                if index is not None:
+                    error = _sum_to(error, variable.shape)
+                    param_errors[index] = param_errors[index] + error if index in param_errors else error
+                return True
+            key = self.recorder.index.get((node, output_nr))
+            if key is not None:
+                self.errors.setdefault(key, []).append((slot, _sum_to(error, self.recorder.recorded[key].shape).float()))
+                return True
+            received = self._received.get(node)
+            if received is None or received[output_nr] is None:
+                return False
+            # Called directly, a node returns the gradient of a broadcast input unreduced; the
+            # engine would sum it to the input's shape.
             error = _sum_to(error, received[output_nr].shape)
-        if variable is not None:  # a parameter's (or an input's) gradient accumulator
-            index = self._param_index.get(id(variable))
-            if index is not None:
-                squared = error.double().square()
-                for j, norm in enumerate(self.norms):
-                    weight = None if norm is None else norm[index]
-                    self.local[slot][j] += (squared if weight is None else squared * weight).sum().cpu()
-            return
-        key = self.recorder.index.get((node, output_nr))
-        if key is not None:
-            self.errors.setdefault(key, []).append((slot, error.float()))
-            return
-        grad_outputs = self._received.get(node)
-        if grad_outputs is None or hops >= MAX_HOPS:
+            waiting = pending.setdefault(node, {})
+            waiting[output_nr] = waiting[output_nr] + error if output_nr in waiting else error
+            return True
+
+        routed = all(reach(node, output_nr, error) for (node, output_nr), error in errors)
+        calls = 0
+        while routed and pending:
+            node = min(pending, key=self._order.__getitem__)
+            if calls == MAX_CALLS:
+                routed = False
+                break
+            calls += 1
+            alone = [None if g is None else torch.zeros_like(g) for g in self._received[node]]
+            for output_nr, error in pending.pop(node).items():
+                alone[output_nr] = error
+            for (next_node, next_nr), passed in zip(node.next_functions, self._call(node, alone)):
+                if passed is not None and not reach(next_node, next_nr, passed):
+                    routed = False
+        if not routed:
             self.unrouted.add(slot)
+            for entries in self.errors.values():
+                entries[:] = [entry for entry in entries if entry[0] != slot]
             return
-        # A node between: linear in its incoming gradient, so the error alone goes through.
-        alone = [None if g is None else torch.zeros_like(g) for g in grad_outputs]
-        alone[output_nr] = error
-        for (next_node, next_nr), passed in zip(node.next_functions, self._call(node, alone)):
-            if passed is not None:
-                self._route(slot, next_node, next_nr, passed, hops + 1)
+        self.local[slot] = [torch.zeros((), dtype=torch.float64) for _ in self.norms]
+        for index, error in param_errors.items():
+            squared = error.double().square()
+            for j, norm in enumerate(self.norms):
+                weight = None if norm is None else norm[index]
+                self.local[slot][j] += (squared if weight is None else squared * weight).sum().cpu()
 
     def upstream(self, forward: Callable[[], object], directions: int) -> dict:
         """Step 3: per slot and norm, the mean over directions of ``<J^T z, d>**2``.
