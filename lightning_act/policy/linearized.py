@@ -25,9 +25,10 @@ Cost: one forward and one backward on the slice, one call of each reading node p
 tensor (about one more backward in all) and ``directions`` forwards per norm. An error
 whose activation no forward call returned (a value inside a fused C++ op) is followed
 through the nodes between, which are linear in it; a tensor whose error cannot be followed
-to a recorded activation within a few nodes is probed by a whole backward instead, and if
-the perturbed forwards do not repeat the first one call for call (data-dependent control
-flow), every tensor is.
+to a recorded activation within :data:`MAX_CALLS` node calls is probed by a whole backward
+instead (the hidden states inside ``nn.GRU``'s one fused op: every timestep is a node),
+and if the perturbed forwards do not repeat the first one call for call (data-dependent
+control flow), every tensor is.
 
 The directional estimate has a relative spread of ``sqrt(2 / directions)`` per tensor; the
 allocation compares tensors whose sensitivities span orders of magnitude, and
@@ -67,7 +68,7 @@ class ForwardRecorder(TorchFunctionMode):
         #: (grad_fn, output_nr) -> (call, position) of the output of that edge.
         self.index: dict[tuple, tuple[int, int]] = {}
         self.recorded: dict[tuple[int, int], torch.Tensor] = {}
-        self.signature: list[tuple] = []
+        self.signature: list[int] = []  # floating-point outputs per call
         self.on_difference: Callable[[int, int, torch.Tensor], None] | None = None
         self._calls = 0
 
@@ -79,20 +80,21 @@ class ForwardRecorder(TorchFunctionMode):
             return out
         call = self._calls
         self._calls += 1
-        shapes = tuple((i, tuple(t.shape)) for i, t in tensors)
         if not self.comparing:
-            self.signature.append(shapes)
+            self.signature.append(len(tensors))
             for i, t in tensors:
                 if t.grad_fn is not None:
                     self.index[(t.grad_fn, t.output_nr)] = (call, i)
                     # A copy, in float32: the output may be written in place later in the forward.
                     self.recorded[(call, i)] = t.detach().float().clone()
             return out
-        if call >= len(self.signature) or self.signature[call] != shapes:
+        if call >= len(self.signature) or self.signature[call] != len(tensors):
             raise Mismatch(f"call {call} of the perturbed forward differs from the recorded one")
         for i, t in tensors:
             base = self.recorded.get((call, i))
             if base is not None:
+                if base.shape != t.shape:
+                    raise Mismatch(f"output {i} of call {call} has shape {tuple(t.shape)}, recorded {tuple(base.shape)}")
                 self.on_difference(call, i, t.detach().float() - base)
         return out
 
@@ -249,16 +251,22 @@ class LinearizedProbe:
         The directions are fixed, like the probes' rounding seeds, so that the same model
         and batch measure the same, and each norm scales the same draws by its weights."""
         self.recorder.keep_only(set(self.errors))
-        means: dict[str, list[float]] = {}
+        slots = sorted({slot for entries in self.errors.values() for slot, _ in entries})
+        position = {slot: k for k, slot in enumerate(slots)}
+        # Per activation: its slots' errors as the rows of one matrix, so that one product
+        # gives every slot's <J^T z, d> there.
+        self._stacked = {key: (torch.tensor([position[slot] for slot, _ in entries], device=entries[0][1].device),
+                               torch.stack([error.reshape(-1) for _, error in entries]))
+                         for key, entries in self.errors.items()}
+        self.errors = {}
+        means = torch.zeros(len(slots), len(self.norms), dtype=torch.float64)
         for j, norm in enumerate(self.norms):
             generator = torch.Generator().manual_seed(0)
             for _ in range(directions):
-                dots = self._direction(forward, norm, generator)
-                for slot, dot in dots.items():
-                    means.setdefault(slot, [0.0] * len(self.norms))[j] += dot * dot / directions
-        return means
+                means[:, j] += self._direction(forward, norm, generator, len(slots)).square().cpu() / directions
+        return dict(zip(slots, means.tolist()))
 
-    def _direction(self, forward, norm, generator: torch.Generator) -> dict[str, float]:
+    def _direction(self, forward, norm, generator: torch.Generator, slots: int) -> torch.Tensor:
         steps = []
         for i, p in enumerate(self.params):
             z = torch.randn(p.shape, generator=generator, dtype=torch.float32).to(p.device)
@@ -267,12 +275,11 @@ class LinearizedProbe:
         scale = sum(p.detach().double().square().sum() for p in self.params).sqrt()
         length = sum(s.double().square().sum() for s in steps).sqrt()
         eps = float(RELATIVE_STEP * scale / length) if length > 0 else 0.0
-        dots: dict[str, torch.Tensor] = {}
+        dots = torch.zeros(slots, dtype=torch.float64, device=self.params[0].device)
 
         def on_difference(call: int, position: int, difference: torch.Tensor) -> None:
-            for slot, error in self.errors.get((call, position), ()):
-                dot = torch.linalg.vecdot(difference.reshape(-1), error.reshape(-1)) / eps
-                dots[slot] = dots[slot] + dot if slot in dots else dot
+            rows, errors = self._stacked[(call, position)]
+            dots.index_add_(0, rows, (errors @ difference.reshape(-1)).double() / eps)
 
         saved = [p.detach().clone() for p in self.params]
         try:
@@ -286,5 +293,4 @@ class LinearizedProbe:
             with torch.no_grad():
                 for p, value in zip(self.params, saved):
                     p.copy_(value)
-        values = torch.stack(list(dots.values())).tolist() if dots else []  # one transfer
-        return dict(zip(dots, values))
+        return dots
