@@ -116,10 +116,12 @@ def main():
     parser.add_argument("--estimators", nargs="*", default=["probe", "probe_per_tensor"],
                         choices=["probe", "probe_per_tensor"], help="probe estimators to time")
     args = parser.parse_args()
-    results = {"device": "cpu", "machine": platform.machine(), "torch": torch.__version__,
-               "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "recalibration_cost_cpu.json"
+    # Models not run now keep their earlier results.
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results.update({"device": "cpu", "machine": platform.machine(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")})
     for name, case in CASES.items():
         if args.only and name not in args.only:
             continue
