@@ -70,6 +70,8 @@ def main():
     clone = ("copy (clone) of the fp32 activation", x, lambda: x.clone(), None)
     kernels = [
         ("quant 2-bit, group 256 (kernel)", x, *_codec_pair(GroupQuantCodec(256), x)),
+        # Groups along the rows of each 32 x 32 plane: a strided read and write.
+        ("quant 2-bit, group 256, along axis 2 (kernel)", x, *_codec_pair(GroupQuantCodec(256), x, group_axis=2)),
         ("DIVISION block 8, 2-bit (kernel)", x, *_codec_pair(DivisionCodec(8), x)),
     ]
     cases = [
@@ -167,9 +169,9 @@ def machine_description(device: str) -> str:
     return f"{model}, {os.cpu_count()} cores, {vector} kernels"
 
 
-def _codec_pair(codec, tensor):
+def _codec_pair(codec, tensor, **options):
     """(pack, unpack) callables of one codec on one tensor."""
-    return (lambda: codec.pack(tensor, 2, 0)), codec.pack(tensor, 2, 0).unpack
+    return (lambda: codec.pack(tensor, 2, 0, **options)), codec.pack(tensor, 2, 0, **options).unpack
 
 
 def reference_unpacker(planes):

@@ -3,6 +3,7 @@
 // written in memory order or, for column_major, column by column.
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -29,6 +30,21 @@ struct InputGroups {
   }
 };
 
+// Calls fn(first, offset, run) for each stretch of values [start, start + count) of a
+// column_major read that lies in one column: values first .. first + run - 1 (counted from
+// start) sit at offset, offset + columns, ... in memory. Branch-free loops inside a stretch.
+template <typename Fn>
+LIGHTNING_ACT_ALWAYS_INLINE void for_each_column_run(const ColumnMajorOrder& order, int64_t start, int64_t count,
+                                                     const Fn& fn) {
+  int64_t done = 0;
+  while (done < count) {
+    const ColumnMajorCursor cursor = order.at(start + done);
+    const int64_t run = std::min(count - done, order.rows - cursor.row);
+    fn(done, cursor.offset, run);
+    done += run;
+  }
+}
+
 // quantize_pack's GroupSource for column_major: the values gathered column by column. A
 // group runs down a column, `columns` values apart in memory; the groups after it read the
 // next columns, whose values share its cache lines, so one task's groups reuse them.
@@ -38,10 +54,12 @@ struct ColumnMajorInputGroups {
   ColumnMajorOrder order;
 
   LIGHTNING_ACT_ALWAYS_INLINE const float* operator()(int64_t start, int64_t count, float* buffer) const {
-    ColumnMajorCursor cursor = order.at(start);
-    for (int64_t i = 0; i < count; ++i, cursor.next()) {
-      buffer[i] = static_cast<float>(input[cursor.offset]);
-    }
+    for_each_column_run(order, start, count, [&](int64_t first, int64_t offset, int64_t run) {
+      const int64_t stride = order.columns;
+      for (int64_t k = 0; k < run; ++k) {
+        buffer[first + k] = static_cast<float>(input[offset + k * stride]);
+      }
+    });
     return buffer;
   }
 };
@@ -69,10 +87,12 @@ struct ColumnMajorOutputGroups {
 
   template <typename Decoded>
   LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t start, int64_t count, const Decoded& decoded) const {
-    ColumnMajorCursor cursor = order.at(start);
-    for (int64_t i = 0; i < count; ++i, cursor.next()) {
-      output[cursor.offset] = static_cast<scalar_t>(decoded(i));
-    }
+    for_each_column_run(order, start, count, [&](int64_t first, int64_t offset, int64_t run) {
+      const int64_t stride = order.columns;
+      for (int64_t k = 0; k < run; ++k) {
+        output[offset + k * stride] = static_cast<scalar_t>(decoded(first + k));
+      }
+    });
   }
 };
 
