@@ -199,12 +199,12 @@ def probe_sensitivities(
                 upstream = linearized.upstream(forward, directions)
             except Mismatch:
                 upstream = None  # the forward is not repeatable: probe every tensor whole
-            if upstream is not None:
+            if upstream is not None and linearized.local:
                 zero = [0.0] * len(norms)
-                for slot in probed:
-                    if slot not in linearized.unrouted:
-                        local = [float(value) for value in linearized.local[slot]]
-                        measured[slot] = [a + b for a, b in zip(local, upstream.get(slot, zero))]
+                routed = [slot for slot in probed if slot not in linearized.unrouted]
+                local_errors = torch.stack([linearized.local[slot] for slot in routed]).tolist()  # one transfer
+                for slot, local in zip(routed, local_errors):
+                    measured[slot] = [a + b for a, b in zip(local, upstream.get(slot, zero))]
             del linearized
         else:
             exact = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)

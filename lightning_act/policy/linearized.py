@@ -148,8 +148,9 @@ class LinearizedProbe:
                 handle.remove()
         self._order = {node: i for i, node in enumerate(self._received)}
         self._exact_calls: dict = {}
-        #: per slot: the squared error of the parameters its readers write, per norm.
-        self.local: dict[str, list[torch.Tensor]] = {}
+        #: per slot: the squared error of the parameters its readers write, per norm (a
+        #: device tensor).
+        self.local: dict[str, torch.Tensor] = {}
         #: (call, position) -> [(slot, error of that activation's gradient)].
         self.errors: dict[tuple[int, int], list[tuple[str, torch.Tensor]]] = {}
         #: Slots whose errors could not all be followed to a recorded activation.
@@ -238,12 +239,15 @@ class LinearizedProbe:
             for entries in self.errors.values():
                 entries[:] = [entry for entry in entries if entry[0] != slot]
             return
-        self.local[slot] = [torch.zeros((), dtype=torch.float64) for _ in self.norms]
+        # On the device: the caller reads every slot's in one transfer.
+        local = [0.0] * len(self.norms)
         for index, error in param_errors.items():
             squared = error.double().square()
             for j, norm in enumerate(self.norms):
                 weight = None if norm is None else norm[index]
-                self.local[slot][j] += (squared if weight is None else squared * weight).sum().cpu()
+                local[j] = local[j] + (squared if weight is None else squared * weight).sum()
+        self.local[slot] = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.params[0].device)
+                                        for v in local])
 
     def upstream(self, forward: Callable[[], object], directions: int) -> dict:
         """Step 3: per slot and norm, the mean over directions of ``<J^T z, d>**2``.
@@ -260,19 +264,19 @@ class LinearizedProbe:
                          for key, entries in self.errors.items()}
         self.errors = {}
         means = torch.zeros(len(slots), len(self.norms), dtype=torch.float64)
+        scale = sum(p.detach().double().square().sum() for p in self.params).sqrt()  # the parameters' norm
         for j, norm in enumerate(self.norms):
             generator = torch.Generator().manual_seed(0)
             for _ in range(directions):
-                means[:, j] += self._direction(forward, norm, generator, len(slots)).square().cpu() / directions
+                means[:, j] += self._direction(forward, norm, generator, len(slots), scale).square().cpu() / directions
         return dict(zip(slots, means.tolist()))
 
-    def _direction(self, forward, norm, generator: torch.Generator, slots: int) -> torch.Tensor:
+    def _direction(self, forward, norm, generator: torch.Generator, slots: int, scale: torch.Tensor) -> torch.Tensor:
         steps = []
         for i, p in enumerate(self.params):
             z = torch.randn(p.shape, generator=generator, dtype=torch.float32).to(p.device)
             weight = None if norm is None else norm[i]
             steps.append(z if weight is None else z * torch.as_tensor(weight, dtype=torch.float32).sqrt())
-        scale = sum(p.detach().double().square().sum() for p in self.params).sqrt()
         length = sum(s.double().square().sum() for s in steps).sqrt()
         eps = float(RELATIVE_STEP * scale / length) if length > 0 else 0.0
         dots = torch.zeros(slots, dtype=torch.float64, device=self.params[0].device)
