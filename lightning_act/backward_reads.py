@@ -484,7 +484,7 @@ class PointwiseDerivative:
         self._xs, self._hs = xs, hs  # float64 on the CPU, hs ascending
         self._dtype = dtype
         self._source = source
-        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._inverses: dict[torch.device, _Lines] = {}
 
     @staticmethod
     def find(target: fx.Node, tangents: list[fx.Node], walk: _Walk, compiled: bool = False
@@ -533,23 +533,30 @@ class PointwiseDerivative:
         return derivative.view(x.shape), self
 
     def restore(self, decoded: torch.Tensor) -> torch.Tensor:
-        """The input whose derivative is ``decoded``, written over ``decoded``."""
-        key = (decoded.device, decoded.dtype)
-        if key not in self._tables:
-            self._tables[key] = self._line_table(decoded.device)
-        ends, intercepts, slopes = self._tables[key]
+        """The input whose derivative is ``decoded``, written over ``decoded``.
+
+        The inverse is read from a grid uniform in ``h`` (a multiply and two lookups per
+        value, not a search of the table): the input handed back has a derivative within
+        one grid step, ``span / 65535``, of the decoded value."""
+        if decoded.device not in self._inverses:
+            self._inverses[decoded.device] = self._inverse_lines(decoded.device)
         flat = decoded.view(-1)
         for h, target in _chunks(flat, flat):
-            h = h.float().clamp_(ends[0], ends[-1])
-            piece = torch.searchsorted(ends, h, out_int32=True).clamp_(1, ends.numel() - 1)
-            target.copy_(intercepts[piece].addcmul_(slopes[piece], h))
+            target.copy_(_read_lines(h, *self._inverses[decoded.device]))
         return decoded
 
-    def _line_table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _inverse_lines(self, device: torch.device) -> _Lines:
+        """The inverse of ``h`` on its branch, on a grid uniform in ``h``."""
+        ends, intercepts, slopes = self._line_table()
+        grid = torch.linspace(ends[0].item(), ends[-1].item(), _GRID + 1, dtype=torch.float64)
+        piece = torch.searchsorted(ends, grid).clamp_(1, ends.numel() - 1)
+        return _Lines.through(grid, intercepts[piece] + slopes[piece] * grid, device)
+
+    def _line_table(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The table's ends and, for the piece ending at each, the line ``x = a + b h`` through
-        its two points (float32, on ``device``). Values of ``h`` within 1e-12 of its span of
-        zero are zero (a flat tail: any input there has that derivative), so that no piece is
-        so narrow in float32 that its slope overflows."""
+        its two points (float64). Values of ``h`` within 1e-12 of its span of zero are zero
+        (a flat tail: any input there has that derivative), so that no piece is so narrow in
+        float32 that its slope overflows."""
         span = (self._hs[-1] - self._hs[0]).item()
         hs = torch.where(self._hs.abs() > _FLAT * span, self._hs, 0.0).float().double()
         xs = self._xs
@@ -558,10 +565,38 @@ class PointwiseDerivative:
         slopes = torch.where(flat, 0.0, xs.diff() / torch.where(flat, 1.0, widths))
         intercepts = torch.where(flat, xs[1:], xs[:-1] - slopes * hs[:-1])
         pad = torch.zeros(1, dtype=torch.float64)  # piece 0 is never read: indices start at 1
-        return tuple(t.to(device, torch.float32) for t in (hs, torch.cat([pad, intercepts]), torch.cat([pad, slopes])))
+        return hs, torch.cat([pad, intercepts]), torch.cat([pad, slopes])
 
 
 _FLAT = 1e-12
+_GRID = (1 << 16) - 1  # pieces of the uniform grid the inverse is read from
+
+
+class _Lines(NamedTuple):
+    """A function on a uniform grid: ``f(v) = a_j + b_j u``, ``u = (v - low) * scale`` the
+    position on the grid (clamped to it), ``j`` its piece (float32 tables on the device)."""
+
+    low: float
+    scale: float
+    intercepts: torch.Tensor
+    slopes: torch.Tensor
+
+    @staticmethod
+    def through(grid: torch.Tensor, values: torch.Tensor, device: torch.device) -> _Lines:
+        """The lines through ``values`` at the points of ``grid`` (uniform, float64)."""
+        pieces = grid.numel() - 1
+        slopes = values.diff()
+        intercepts = values[:-1] - slopes * torch.arange(pieces, dtype=torch.float64)
+        width = (grid[-1] - grid[0]).item()
+        return _Lines(grid[0].item(), pieces / width if width > 0 else 0.0,
+                      intercepts.to(device, torch.float32), slopes.to(device, torch.float32))
+
+
+def _read_lines(v: torch.Tensor, low: float, scale: float, intercepts: torch.Tensor, slopes: torch.Tensor
+                ) -> torch.Tensor:
+    u = v.float().sub_(low).mul_(scale).clamp_(0.0, float(intercepts.numel()))
+    piece = u.to(torch.int32).clamp_(max=intercepts.numel() - 1)
+    return intercepts.index_select(0, piece).addcmul_(slopes.index_select(0, piece), u)
 
 
 # The derivative is evaluated and inverted a chunk at a time, so that the temporaries (the
@@ -577,8 +612,17 @@ def _chunks(source: torch.Tensor, target: torch.Tensor):
         yield source[start : start + size], target[start : start + size]
 
 
+_RESHAPES = frozenset({"view", "_unsafe_view", "reshape"})
+
 # Ops that copy or select values element by element without the pointwise tag.
 _ELEMENTWISE_COPIES = frozenset({"alias", "clone", "detach", "where"})
+
+
+def _is_reshape(node: fx.Node, val: torch.Tensor) -> bool:
+    """Whether ``node`` reshapes a tensor of value ``val`` keeping the order of its values."""
+    out = node.meta.get("val")
+    return (node.op == "call_function" and _name(node.target) in _RESHAPES and isinstance(out, torch.Tensor)
+            and out.numel() == val.numel() and val.is_contiguous())
 
 
 def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk, compiled: bool = False):
@@ -590,7 +634,14 @@ def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk, c
         return None
     outputs = [o for o in _outputs(target.graph) if isinstance(o, fx.Node)]
     graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {target: graph.placeholder("x")}
+    x = graph.placeholder("x")
+    env: dict[fx.Node, fx.Node] = {target: x}
+    # A compiled graph often saves a matmul's output as a matrix and reads it reshaped
+    # (``view(addmm, (batch, tokens, features))`` before GELU's backward): an elementwise
+    # ``h`` reads the reshaped values one for one, so the reshapes stand for ``x`` itself.
+    aliases = [u for u in target.users if _is_reshape(u, val)] if compiled else []
+    env.update((alias, x) for alias in aliases)
+    shapes = {val.shape, *(alias.meta["val"].shape for alias in aliases)}
     grad = graph.placeholder("grad")
     used_tangents = set()
 
@@ -600,7 +651,7 @@ def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk, c
             isinstance(node.target, torch._ops.OpOverload)
             and (torch.Tag.pointwise in node.target.tags or _name(node.target) in _ELEMENTWISE_COPIES)
             and isinstance(out, torch.Tensor)
-            and out.shape == val.shape
+            and out.shape in shapes
         )
 
     def bring(node: fx.Node) -> bool:
@@ -619,18 +670,24 @@ def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk, c
             return False
         constant = (node.op == "call_function" and not node.all_input_nodes
                     and isinstance(node.target, torch._ops.OpOverload))
-        if constant or (node.op == "call_function" and pointwise(node) and all(bring(a) for a in node.all_input_nodes)):
+        if constant:
             env[node] = graph.node_copy(node, env.__getitem__)
             return True
         other = node.meta.get("val")
-        if compiled and isinstance(other, torch.Tensor) and other.shape == val.shape:
+        if compiled and isinstance(other, torch.Tensor) and other.shape in shapes:
+            # Taken whole, before looking inside: SiLU's gradient is ``grad * up`` in a
+            # gated MLP, a product of two values, either of which would count as a second
+            # gradient.
             used_tangents.add(node)
             env[node] = grad
+            return True
+        if node.op == "call_function" and pointwise(node) and all(bring(a) for a in node.all_input_nodes):
+            env[node] = graph.node_copy(node, env.__getitem__)
             return True
         return False
 
     if compiled:
-        region, results = _pointwise_region(target, walk, outputs, pointwise)
+        region, results = _pointwise_region(target, aliases, walk, outputs, pointwise)
     else:  # one call's backward: all of it
         region = walk.reached if all(pointwise(node) for node in walk.reached) else []
         results = [o for o in outputs if o in walk.degree]
@@ -639,7 +696,7 @@ def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk, c
     for node in region:
         for arg in node.all_input_nodes:
             arg_val = arg.meta.get("val")
-            if not bring(arg) or (isinstance(arg_val, torch.Tensor) and arg_val.dim() and arg_val.shape != val.shape):
+            if not bring(arg) or (isinstance(arg_val, torch.Tensor) and arg_val.dim() and arg_val.shape not in shapes):
                 return None
         env[node] = graph.node_copy(node, env.__getitem__)
     if len(used_tangents) != 1 or results[0] not in env:
@@ -665,15 +722,17 @@ def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk, c
     return gm, dtype
 
 
-def _pointwise_region(target: fx.Node, walk: _Walk, outputs: list[fx.Node], pointwise: Callable
-                      ) -> tuple[list[fx.Node], list[fx.Node]]:
+def _pointwise_region(target: fx.Node, aliases: list[fx.Node], walk: _Walk, outputs: list[fx.Node],
+                      pointwise: Callable) -> tuple[list[fx.Node], list[fx.Node]]:
     """In a compiled region's whole backward: the pointwise nodes computed from ``target``
-    before anything else reads it, and the one of them the rest of the backward reads
-    (``grad * h(x)``), provided the rest reads it linearly and reads ``target`` through it
-    alone. ``([], [])`` otherwise."""
+    (or ``aliases``, reshapes of it) before anything else reads it, and the one of them the
+    rest of the backward reads (``grad * h(x)``), provided the rest reads it linearly and
+    reads ``target`` through it alone. ``([], [])`` otherwise."""
     reached = set(walk.reached)
-    region, inside = [], {target}
+    region, inside = [], {target, *aliases}
     for node in walk.reached:
+        if node in inside:
+            continue
         if pointwise(node) and all(a in inside or a not in reached for a in node.all_input_nodes):
             region.append(node)
             inside.add(node)

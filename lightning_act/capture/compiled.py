@@ -55,7 +55,7 @@ from lightning_act.policy import SlotInfo
 if TYPE_CHECKING:
     from lightning_act.capture.engine import ActivationCapture
 
-__all__ = ["COMPILED_REGION", "GraphHooks", "GraphPlan", "SeedStream"]
+__all__ = ["COMPILED_REGION", "CheaperSaves", "GraphHooks", "GraphPlan", "SeedStream"]
 
 #: Module name of saves with no ``nn_module_stack`` (functional code in a compiled region).
 COMPILED_REGION = "(compiled)"
@@ -351,6 +351,132 @@ class UnpackWhereRead:
 
         CustomGraphPass.register(UnpackWhereRead)  # what inductor's config accepts, with a uuid
         config.post_grad_custom_post_pass = UnpackWhereRead(config.post_grad_custom_post_pass)
+
+
+# ------------------------------------------------------------- choosing what is saved
+class CheaperSaves:
+    """Inductor's partitioner (min-cut), then what the forward saves chosen again where
+    backward would read a save it can store only at many bits through a recomputation.
+
+    Min-cut saves what is cheapest to keep *uncompressed*, and recomputes the rest in
+    backward: attention's scores before the softmax (backward recomputes the softmax from
+    them), a pre-activation (it recomputes the activation). Compressed, the choice turns
+    around: backward reads the scores through ``exp(s - max)``, so they are kept exact,
+    while the softmax itself, which eager autograd saves, is read at 8 bits.
+
+    So, in a session: each saved tensor's storage is decided as its plan will be
+    (:func:`GraphPlan`'s analysis); where one costs more bits than the session's own and
+    backward recomputes forward ops from it, the outputs of those ops that backward reads
+    (the softmax, not its pieces) are marked to be saved (``CheckpointPolicy.MUST_SAVE``,
+    which min-cut honours), and the graph is partitioned again. The new partition is kept
+    only if its saves cost fewer bits, as decided; up to three rounds. Outside a session
+    this is min-cut as inductor calls it.
+    """
+
+    ROUNDS = 3
+
+    def __call__(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        capture = _capturing()
+        if capture is None:
+            return forward, backward
+        bits = _session_bits(capture)
+        cost, promote = _saves_cost(forward, backward, capture, bits)
+        marked: set[str] = set()
+        for _ in range(self.ROUNDS):
+            promote -= marked
+            if not promote:
+                break
+            nodes = [n for n in joint.graph.nodes if n.name in promote]
+            for node in nodes:
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            marked |= promote
+            forward_again, backward_again = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+            cost_again, promote = _saves_cost(forward_again, backward_again, capture, bits)
+            if cost_again >= cost:
+                for node in nodes:
+                    node.meta.pop("recompute", None)
+                break
+            forward, backward, cost = forward_again, backward_again, cost_again
+        return forward, backward
+
+    def uuid(self) -> Any:
+        from torch._inductor.custom_graph_pass import get_hash_for_files
+
+        return get_hash_for_files((__file__,))
+
+    @staticmethod
+    def install() -> None:
+        """Inductor's partitioner from now on in this process (min-cut outside sessions),
+        unless the user set one of their own."""
+        config = sys.modules.get("torch._inductor.config")
+        if config is None or config.custom_partitioner_fn is not None:
+            return
+        from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+        CustomPartitionerFn.register(CheaperSaves)  # what inductor's config accepts, with a uuid
+        config.custom_partitioner_fn = CheaperSaves()
+
+
+def _session_bits(capture: ActivationCapture) -> int:
+    policy = capture.policy
+    return getattr(policy, "bits", None) or getattr(policy, "default_bits", None) or capture.config.bits
+
+
+def _saves_cost(forward: fx.GraphModule, backward: fx.GraphModule, capture: ActivationCapture, bits: int
+                ) -> tuple[float, set[str]]:
+    """The bits a partition's saves cost as :class:`GraphPlan` would store them at ``bits``,
+    and the forward ops worth saving instead of those that cost more (see :class:`CheaperSaves`)."""
+    reads = graph_reads(backward.graph)
+    computed = {n.name: n for n in forward.graph.nodes if n.op == "call_function"}
+    saved = {n.name: n for n in forward.graph.nodes if n.name in reads}
+    total, promote = 0.0, set()
+    for placeholder in backward.graph.nodes:
+        node = saved.get(placeholder.name)
+        val = placeholder.meta.get("val")
+        if node is None or node.op == "placeholder" or not isinstance(val, torch.Tensor):
+            continue  # the graph's inputs are alive anyway, whichever the partition
+        decision = decide_saved_node(
+            _hinted(val), reads[placeholder.name], producer(node), consumers(node),
+            min_numel=capture.config.min_numel, group_size=capture.config.group_size,
+        )
+        if decision.kind is Kind.MASK:
+            cost = 1
+        elif decision.kind is Kind.QUANTIZE:
+            cost = max(bits, decision.min_bits)
+        else:
+            cost = val.element_size() * 8
+        total += _hint(val.numel()) * cost
+        if cost > bits:
+            promote |= _recomputed_results(placeholder, computed)
+    return total, promote
+
+
+def _recomputed_results(saved: fx.Node, computed: dict[str, fx.Node]) -> set[str]:
+    """The forward ops a backward graph recomputes from a saved tensor whose results its own
+    nodes read: whole ops' results (a softmax, not the ``exp`` inside it), not views."""
+    results, stack, seen = set(), list(saved.users), set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node.name not in computed:
+            continue
+        seen.add(node)
+        recomputed = [u for u in node.users if u.name in computed]
+        stack.extend(recomputed)
+        read_by_backward = len(recomputed) < len(node.users)
+        if read_by_backward and _op_name(node) not in _VIEWS and _whole_op_result(computed[node.name]):
+            results.add(node.name)
+    return results
+
+
+def _whole_op_result(node: fx.Node) -> bool:
+    """Whether a forward node is the result of the op it was decomposed from: none of the
+    nodes reading it comes from the same call of that op."""
+    op = (node.meta.get("original_aten"), node.meta.get("seq_nr"))
+    return op[0] is not None and all((u.meta.get("original_aten"), u.meta.get("seq_nr")) != op for u in node.users)
 
 
 # ----------------------------------------------------------------- planning one graph

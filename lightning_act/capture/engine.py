@@ -36,7 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lightning_act import backward_reads
 from lightning_act.capture import compiled as compiled_module
 from lightning_act.capture import decide as decide_module
-from lightning_act.capture.compiled import COMPILED_REGION, GraphHooks, Plan, SeedStream
+from lightning_act.capture.compiled import COMPILED_REGION, CheaperSaves, GraphHooks, Plan, SeedStream
 from lightning_act.capture.decide import Decision, Kind, decide
 from lightning_act.capture.group_order import GroupOrders
 from lightning_act.capture.records import (
@@ -240,6 +240,7 @@ class ActivationCapture:
         # break), parameters and buffers not: see GraphPlan.
         self._filtering = functorch_config.saved_tensors_hooks_filtering_mode
         functorch_config.saved_tensors_hooks_filtering_mode = "no_static"
+        CheaperSaves.install()
         hooks = GraphHooks.of(self._settings_state())
         self._hooks = torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
         self._hooks.__enter__()
