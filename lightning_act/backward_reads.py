@@ -524,6 +524,12 @@ class PointwiseDerivative:
             found._source = code
         return found
 
+    def of(self, x: torch.Tensor) -> torch.Tensor:
+        """``h(x)`` by ``h``'s own ops, in ``x``'s dtype: what a compiled graph computes in
+        its forward (traced there, fused by the compiler), where :meth:`store` would run
+        them, or a lookup, on their own."""
+        return self._h(x, torch.ones((), dtype=x.dtype, device=x.device)).to(x.dtype)
+
     def store(self, x: torch.Tensor) -> tuple[torch.Tensor, PointwiseDerivative]:
         """What to encode in place of ``x``, and what restores it at unpack.
 
@@ -576,7 +582,7 @@ class PointwiseDerivative:
                     (beyond - hs[[0, -1]]).abs().max().item())
         if not error <= 1e-6 * span:  # NaN included
             return None
-        return _Grid.through(xs, hs, device)
+        return _Grid.through(xs, hs, device, exact=True)
 
     def _line_table(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The table's ends and, for the piece ending at each, the line ``x = a + b h`` through
@@ -600,30 +606,36 @@ _GRID = 1 << 16  # pieces of the uniform grids h and its inverse are read from
 
 class _Grid(NamedTuple):
     """A function tabulated on a uniform grid, read by linear interpolation: point ``j`` is
-    at ``low + j * step``. A value's piece comes from its position on the grid; its
-    fraction of the piece from its distance to the piece's start, which is exact where the
-    grid's points are (a step of a power of two from a round ``low``), so float32 places a
-    value to its last bit even on a grid of 65,536 pieces. Outside the grid: its end values."""
+    at ``low + j * step``; outside the grid, its end values. NaN stays NaN."""
 
     low: float
     step: float
     starts: torch.Tensor  # the function at each piece's start (float32, on the device)
     slopes: torch.Tensor  # its change over each piece
+    #: Place values by their distance to their piece's start, not by their position on the
+    #: whole grid: exact where the grid's points are (a step of a power of two from a round
+    #: ``low``), so float32 places a value to its last bit even among 65,536 pieces, at the
+    #: cost of three more passes.
+    exact: bool = False
 
     @staticmethod
-    def through(grid: torch.Tensor, values: torch.Tensor, device: torch.device) -> _Grid:
+    def through(grid: torch.Tensor, values: torch.Tensor, device: torch.device, exact: bool = False) -> _Grid:
         """The grid of ``values`` at the points of ``grid`` (uniform, float64)."""
         step = ((grid[-1] - grid[0]) / (grid.numel() - 1)).item()
         return _Grid(grid[0].item(), step, values[:-1].to(device, torch.float32),
-                     values.diff().to(device, torch.float32))
+                     values.diff().to(device, torch.float32), exact)
 
     def __call__(self, v: torch.Tensor) -> torch.Tensor:
-        """The function at every value of ``v`` (float32; NaN stays NaN)."""
+        """The function at every value of ``v`` (float32)."""
         v = v.float()
         pieces = self.starts.numel()
         scale = 1 / self.step if self.step > 0 else 0.0
-        piece = v.sub(self.low).mul_(scale).clamp_(0, pieces - 1).to(torch.int32).clamp_(0, pieces - 1)
-        fraction = v.sub(piece.float().mul_(self.step).add_(self.low)).mul_(scale).clamp_(0, 1)
+        position = v.sub(self.low).mul_(scale).clamp_(0, pieces)
+        piece = position.to(torch.int32).clamp_(0, pieces - 1)
+        if self.exact:
+            fraction = v.sub(piece.float().mul_(self.step).add_(self.low)).mul_(scale).clamp_(0, 1)
+        else:
+            fraction = position.sub_(piece)
         return self.starts.index_select(0, piece).addcmul_(self.slopes.index_select(0, piece), fraction)
 
 

@@ -66,7 +66,7 @@ _EAGER, _KEPT, _PACKED = "eager", "kept", "packed"
 class Plan(NamedTuple):
     """How one saved node of a compiled graph is stored (baked into the graph as a string)."""
 
-    form: str  # "quant", "derivative" (a pointwise op's input, stored as its derivative) or "mask"
+    form: str  # "quant", "derivative" (a pointwise op's input: the graph packs its derivative) or "mask"
     bits: int
     group_size: int
     module: str
@@ -139,12 +139,10 @@ def _restore(flat: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> 
     return torch.empty_strided(size, stride, dtype=flat.dtype, device=flat.device).copy_(flat.view(size))
 
 
-def _encode(x: torch.Tensor, plan: Plan, seed: int, fake: bool = False) -> list[torch.Tensor]:
+def _encode(x: torch.Tensor, plan: Plan, seed: int) -> list[torch.Tensor]:
     flat = _flat(x.detach())
     if plan.form == "mask":
         return [pack_bit_fields(flat.view(torch.uint8), 1, planar=True)]
-    if plan.form == "derivative" and not fake:  # the derivative has the input's shape and dtype
-        flat = plan.substitute().store(flat)[0]
     codes, stats = torch.ops.lightning_act.quantize_pack(flat, plan.bits, plan.group_size, seed)
     return [codes, stats]
 
@@ -175,7 +173,7 @@ def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
 
 @torch.library.register_fake("lightning_act::pack_saved", lib=_LIBRARY)
 def _pack_saved_fake(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
-    return _encode(input, _parse(plan), 0, fake=True)
+    return _encode(input, _parse(plan), 0)
 
 
 def _decode(parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
@@ -233,7 +231,14 @@ def _pack(x: torch.Tensor, state: str) -> Any:
     plan = None if capture is None else GraphHooks.of(state).plan(context, capture)
     if plan is None:
         return (_KEPT, x)
-    return (_PACKED, torch.ops.lightning_act.pack_saved(x, plan), list(x.shape), list(x.stride()), x.dtype, plan)
+    stored = x
+    if _parse(plan).form == "derivative":
+        # Computed by the graph's own ops (traced here, fused by the compiler), in x's
+        # layout: the values are stored in x's memory order, and restored in it.
+        stored = _parse(plan).substitute().of(x)
+        if stored.stride() != x.stride():
+            stored = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(stored)
+    return (_PACKED, torch.ops.lightning_act.pack_saved(stored, plan), list(x.shape), list(x.stride()), x.dtype, plan)
 
 
 @torch.fx.wrap
