@@ -570,11 +570,9 @@ class GraphPlan:
     are asked about them. Torch hooks every input that is not a parameter or a buffer: an
     activation an earlier graph passed on at a graph break, which must be compressed (a GCN
     split by PyG's data-dependent ops kept 15 of its 15.2 MiB otherwise), and the batch,
-    alive anyway, which is passed through as it is, as eager passes it. The graph cannot
-    see which input is the batch; it tells them apart by what backward computes: the
-    gradient of an activation passed on, none for the batch. (An input that needs none but
-    is alive only for backward, computed in the step under ``no_grad``, is then kept as it
-    is: never wrong, and rare.)
+    which cannot be told apart from one when the graph is compiled. So the batch is stored
+    too, its compressed copy costing ``bits / 32`` of it (it stays alive anyway), and
+    backward reads the rounded copy, as it reads every compressed input (unbiased).
     """
 
     def __init__(self, forward: fx.Graph, backward: fx.Graph, capture: ActivationCapture):
@@ -586,11 +584,6 @@ class GraphPlan:
         self._modules = {node.name: module_qualname(_first_reader_stack(node))
                          for node in backward.nodes if node.op == "placeholder"}
         self._per_module: dict[str, int] = {}
-        # Backward returns one gradient per forward input, None where none flows.
-        inputs = [node.name for node in forward.nodes if node.op == "placeholder"]
-        gradients = list(backward.output_node().args[0])
-        self._batch = ({name for name, gradient in zip(inputs, gradients) if gradient is None}
-                       if len(inputs) == len(gradients) else set())
         outputs = forward.output_node().args[0]
         saved = [n for n in outputs if isinstance(n, fx.Node) and n.name in self._reads and n.op != "placeholder"]
         plans: dict[str, Plan | None] = {}
@@ -607,8 +600,7 @@ class GraphPlan:
 
     def get(self, node: fx.Node) -> str | None:
         if node.name not in self._encoded:
-            batch = node.op == "placeholder" and node.name in self._batch
-            self._encoded[node.name] = None if batch else _encode_plan(self._plan(node)[0])
+            self._encoded[node.name] = _encode_plan(self._plan(node)[0])
         return self._encoded[node.name]
 
     def _plan(self, node: fx.Node) -> tuple[Plan | None, Outcome]:
