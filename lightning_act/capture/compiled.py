@@ -374,8 +374,9 @@ class CheaperSaves:
     backward recomputes forward ops from it, the outputs of those ops that backward reads
     (the softmax, not its pieces) are marked to be saved (``CheckpointPolicy.MUST_SAVE``,
     which min-cut honours), and the graph is partitioned again. The new partition is kept
-    only if its saves cost fewer bits, as decided; up to three rounds. Outside a session
-    this is min-cut as inductor calls it.
+    only if its saves cost fewer bits, as decided; up to three rounds. Outside a session,
+    and where the user's activation checkpointing already tags what to recompute, this is
+    min-cut as inductor calls it.
     """
 
     ROUNDS = 3
@@ -384,9 +385,11 @@ class CheaperSaves:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
         from torch.utils.checkpoint import CheckpointPolicy
 
+        # The user's activation checkpointing tags what to recompute: left as they chose.
+        checkpointed = any("recompute" in node.meta for node in joint.graph.nodes)
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         capture = _capturing()
-        if capture is None:
+        if capture is None or checkpointed:
             return forward, backward
         bits = _session_bits(capture)
         cost, promote = _saves_cost(forward, backward, capture, bits)
@@ -399,8 +402,11 @@ class CheaperSaves:
             for node in nodes:
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             marked |= promote
-            forward_again, backward_again = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-            cost_again, promote = _saves_cost(forward_again, backward_again, capture, bits)
+            try:
+                forward_again, backward_again = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+                cost_again, promote = _saves_cost(forward_again, backward_again, capture, bits)
+            except Exception:  # a partition min-cut cannot make: the one it made stands
+                cost_again = math.inf
             if cost_again >= cost:
                 for node in nodes:
                     node.meta.pop("recompute", None)
