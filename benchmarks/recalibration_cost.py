@@ -13,11 +13,14 @@ GACT's one backward per saved tensor (``"probe_per_tensor"``):
 * the same Llama at T128, batch 8, budget 2, with 2, 8 and 32 layers: the probes' 8
   samples are the whole batch, so a probe pass costs what a training pass does.
 
-Each runs the warm-up, the first recalibration and a few steps after it. It reports the
+Each runs the warm-up, the first recalibration and a few steps after it; with
+``--compiled`` also as ``trainer.fit(torch.compile(model))`` (the probes run the model
+eagerly, and the new allocation recompiles its graphs once, on the step after). It reports the
 recalibration's wall time (``ActCompression.recalibration_ms``), the median step time
 after it (the recalibration's own step excluded), the recalibration in steps' time, and
 its share of training time at the defaults: one recalibration per 1,000 steps, the first
-one included (``recalibration / (recalibration + 1,000 steps)``).
+one included (``recalibration / (recalibration + 1,000 steps)``). Compiled, the
+recalibration includes the recompile (the step after it, less a median step).
 
     python benchmarks/recalibration_cost.py --data ../shared/data --out benchmarks/results
 """
@@ -80,9 +83,12 @@ CASES = {
 }
 
 
-def measure(case, data: Path, steps_after: int, estimator: str) -> dict:
+def measure(case, data: Path, steps_after: int, estimator: str, compiled: bool = False) -> dict:
     L.seed_everything(0)
     model, datamodule, settings = case(data)
+    if compiled:
+        torch._dynamo.reset()
+        model = torch.compile(model)
     callback = ActCompression(**settings, estimator=estimator)
     timer = StepTimes()
     trainer = L.Trainer(
@@ -95,15 +101,18 @@ def measure(case, data: Path, steps_after: int, estimator: str) -> dict:
         raise RuntimeError(f"expected one recalibration, got {callback.recalibrations}")
     recalibration_s = callback.recalibration_ms / 1e3
     step_s = statistics.median(timer.seconds[callback.warmup_steps + 1:])
+    # Compiled: the step after the recalibration recompiles for the new allocation.
+    recompile_s = max(timer.seconds[callback.warmup_steps + 1] - step_s, 0.0) if compiled else 0.0
     interval = callback.recalibrate_every_n_steps
     return {
-        "settings": {**settings, "estimator": estimator},
+        "settings": {**settings, "estimator": estimator, "compiled": compiled},
         "tensors_probed": len(callback.sensitivity),
         "probe_samples": callback.probe_samples,
         "recalibration_s": recalibration_s,
         "step_s": step_s,
-        "recalibration_in_steps": recalibration_s / step_s,
-        "share_at_defaults_pct": 100.0 * recalibration_s / (recalibration_s + interval * step_s),
+        "recompile_s": recompile_s,
+        "recalibration_in_steps": (recalibration_s + recompile_s) / step_s,
+        "share_at_defaults_pct": 100.0 * (recalibration_s + recompile_s) / (recalibration_s + recompile_s + interval * step_s),
     }
 
 
@@ -115,6 +124,9 @@ def main():
     parser.add_argument("--only", nargs="*", choices=sorted(CASES), help="models to run (default: all)")
     parser.add_argument("--estimators", nargs="*", default=["probe", "probe_per_tensor"],
                         choices=["probe", "probe_per_tensor"], help="probe estimators to time")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also each model under torch.compile (inductor): its probes run eagerly, "
+                             "the new allocation recompiles once")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "recalibration_cost_cpu.json"
@@ -125,9 +137,10 @@ def main():
     for name, case in CASES.items():
         if args.only and name not in args.only:
             continue
-        for estimator in args.estimators:
-            results.setdefault(name, {})[estimator] = r = measure(case, args.data, args.steps_after, estimator)
-            print(f"{name} ({estimator}): {r['tensors_probed']} tensors probed, recalibration "
+        for estimator, compiled in [(e, c) for e in args.estimators for c in ((False, True) if args.compiled else (False,))]:
+            key = f"{estimator}_compiled" if compiled else estimator
+            results.setdefault(name, {})[key] = r = measure(case, args.data, args.steps_after, estimator, compiled)
+            print(f"{name} ({key}): {r['tensors_probed']} tensors probed, recalibration "
                   f"{r['recalibration_s']:.2f} s = {r['recalibration_in_steps']:.1f} steps of {r['step_s']:.3f} s; "
                   f"{r['share_at_defaults_pct']:.2f}% of training at the defaults", flush=True)
             path.write_text(json.dumps(results, indent=2) + "\n")  # a long run keeps what it finished

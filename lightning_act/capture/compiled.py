@@ -46,7 +46,7 @@ import torch.fx as fx
 
 from lightning_act import ops
 from lightning_act.backward_reads import PointwiseDerivative, Read, Use, graph_reads
-from lightning_act.capture.decide import Kind, decide_saved_node
+from lightning_act.capture.decide import BATCH_NORM_OPS, Kind, decide_saved_node
 from lightning_act.capture.records import unpack as unpack_eager
 from lightning_act.capture.report import Outcome
 from lightning_act.ops.layout import pack_bit_fields, unpack_bit_fields
@@ -478,7 +478,12 @@ def _recomputed_results(saved: fx.Node, computed: dict[str, fx.Node]) -> set[str
         recomputed = [u for u in node.users if u.name in computed]
         stack.extend(recomputed)
         read_by_backward = len(recomputed) < len(node.users)
-        if read_by_backward and _op_name(node) not in _VIEWS and _whole_op_result(computed[node.name]):
+        view = _name_of(node.target) in _VIEWS  # the op itself, not the one it was decomposed from
+        # Not BatchNorm's output: with it saved, BatchNorm's input is stored by eager's hand
+        # rule for it (no floor), which holds for eager's backward kernel, not for what a
+        # compiled backward recomputes from it (MobileNetV3 at 2 bits: gradient error 5e4).
+        batch_norm = _op_name(node) in BATCH_NORM_OPS
+        if read_by_backward and not view and not batch_norm and _whole_op_result(computed[node.name]):
             results.add(node.name)
     return results
 
@@ -498,7 +503,10 @@ _QUALNAME_ACCESS = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]([^'\"]
 
 def _op_name(node: fx.Node) -> str | None:
     """The aten op a node of a compiled graph computes (before decompositions)."""
-    target = node.meta.get("original_aten") or node.target
+    return _name_of(node.meta.get("original_aten") or node.target)
+
+
+def _name_of(target: Any) -> str | None:
     packet = getattr(target, "overloadpacket", None)
     return getattr(packet, "__name__", None) if packet is not None else None
 

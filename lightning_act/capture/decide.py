@@ -159,7 +159,7 @@ _UNKNOWN_USE_BITS = _NONLINEAR_BITS
 # ``y (1 - y)`` and ``1 - y**2``), 4 bits or more.
 _RECURRENT_OPS = frozenset({"gru", "lstm", "rnn_tanh", "rnn_relu"})
 _RECURRENT_READ = Read(Use.QUADRATIC)
-_BATCH_NORM_OPS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
+BATCH_NORM_OPS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
                              "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training"})
 
 # Normalisations whose backward scales each row's noise by that row's 1 / std. A group of
@@ -463,7 +463,7 @@ def _row_grouping(row: int, group_size: int, bits: int) -> tuple[int, int]:
 
 def _batch_norm_row(t: torch.Tensor, call: TrackedCall | None) -> int | None:
     """Values per channel when ``t`` is BatchNorm's input (its rows are its channels)."""
-    if call is None or call.name not in _BATCH_NORM_OPS or t.dim() < 2 or not _is_first_argument(t, call):
+    if call is None or call.name not in BATCH_NORM_OPS or t.dim() < 2 or not _is_first_argument(t, call):
         return None
     return t.numel() // max(t.shape[1], 1)
 
@@ -504,7 +504,7 @@ def floor_bits(t: torch.Tensor, call: TrackedCall | None, read: Read | None) -> 
         return 2
     if call.name in _SOFTMAX_OPS:
         return _NONLINEAR_BITS
-    if call.name in _BATCH_NORM_OPS and _is_first_argument(t, call):
+    if call.name in BATCH_NORM_OPS and _is_first_argument(t, call):
         return 1
     floor = _FLOORS.get(read.use, _NONLINEAR_BITS) if read is not None else _NONLINEAR_BITS
     if _is_scaled_by_own_row_factor(t, call):
@@ -723,7 +723,7 @@ def decide_saved_node(
         floor = _NONLINEAR_BITS  # a derivative the plan cannot carry
     elif producer in _SOFTMAX_OPS:
         floor = _NONLINEAR_BITS
-    elif consumers.keys() & _BATCH_NORM_OPS:
+    elif consumers.keys() & BATCH_NORM_OPS:
         floor = 1
         if val.dim() >= 2 and numel // max(int(val.shape[1]), 1) < MIN_GROUP_SIZE:
             return Decision(Kind.KEEP)  # BatchNorm's channels too short: see decide
