@@ -415,9 +415,11 @@ class CheaperSaves:
         return forward, backward
 
     def uuid(self) -> Any:
+        """What inductor's caches key its partitions by: the code that chooses them."""
         from torch._inductor.custom_graph_pass import get_hash_for_files
 
-        return get_hash_for_files((__file__,))
+        return get_hash_for_files((__file__, sys.modules[graph_reads.__module__].__file__,
+                                   sys.modules[decide_saved_node.__module__].__file__))
 
     @staticmethod
     def install() -> None:
@@ -433,6 +435,7 @@ class CheaperSaves:
 
 
 def _session_bits(capture: ActivationCapture) -> int:
+    """The bits most saves get: the fixed policy's, or an allocation's default."""
     policy = capture.policy
     return getattr(policy, "bits", None) or getattr(policy, "default_bits", None) or capture.config.bits
 
