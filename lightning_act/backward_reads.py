@@ -64,7 +64,6 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-
 __all__ = ["PointwiseDerivative", "Read", "Use", "call_reads", "classify", "graph_reads"]
 
 
@@ -534,8 +533,8 @@ class PointwiseDerivative:
         """What to encode in place of ``x``, and what restores it at unpack.
 
         A smooth ``h`` is read from a grid over the searched interval instead of running its
-        ops (within 1e-6 of its span; a multiply and two lookups per value, about twice as
-        fast); any other is evaluated."""
+        ops (within 1e-6 of its span; a few passes and two lookups per value, 1.6 times as fast
+        as GELU's ops on the CPU); any other is evaluated."""
         if ("store", x.device) not in self._grids:
             self._grids["store", x.device] = self._smooth_grid(x.device)
         tabulated = self._grids["store", x.device]
