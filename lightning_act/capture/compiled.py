@@ -231,11 +231,11 @@ def _pack(x: torch.Tensor, state: str) -> Any:
     plan = None if capture is None else GraphHooks.of(state).plan(context, capture)
     if plan is None:
         return (_KEPT, x)
-    stored = x
-    if _parse(plan).form == "derivative":
+    stored, parsed = x, _parse(plan)
+    if parsed.form == "derivative":
         # Computed by the graph's own ops (traced here, fused by the compiler), in x's
         # layout: the values are stored in x's memory order, and restored in it.
-        stored = _parse(plan).substitute().of(x)
+        stored = parsed.substitute().of(x)
         if stored.stride() != x.stride():
             stored = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(stored)
     return (_PACKED, torch.ops.lightning_act.pack_saved(stored, plan), list(x.shape), list(x.stride()), x.dtype, plan)
