@@ -160,7 +160,7 @@ _UNKNOWN_USE_BITS = _NONLINEAR_BITS
 _RECURRENT_OPS = frozenset({"gru", "lstm", "rnn_tanh", "rnn_relu"})
 _RECURRENT_READ = Read(Use.QUADRATIC)
 BATCH_NORM_OPS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
-                             "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training"})
+                            "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training"})
 
 # Normalisations whose backward scales each row's noise by that row's 1 / std. A group of
 # the quantizer that spans two rows takes its range from the wider one, and the narrow
