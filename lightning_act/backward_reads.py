@@ -64,6 +64,9 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from lightning_act import ops
+from lightning_act.codecs.quant import QuantizedTensor
+
 __all__ = ["PointwiseDerivative", "Read", "Use", "call_reads", "classify", "graph_reads"]
 
 
@@ -545,6 +548,32 @@ class PointwiseDerivative:
                 target.copy_(self._h(source, one) if tabulated is None else tabulated(source))
         return derivative.view(x.shape), self
 
+    def unpack(self, record) -> torch.Tensor:
+        """The input backward reads, from the record its derivative was stored in."""
+        if isinstance(record, QuantizedTensor) and record.matrix == (0, 0):
+            return self.restore_quantized(record.codes, record.stats, record.bits, record.group_size,
+                                          record.shape.numel(), record.dtype).view(record.shape)
+        return self.restore(record.unpack())
+
+    def restore_quantized(self, codes: torch.Tensor, stats: torch.Tensor, bits: int, group_size: int, numel: int,
+                          dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`restore` of what :func:`~lightning_act.ops.unpack_dequantize` decodes from
+        these codes, bit for bit, with the inverse taken once per level of each group
+        (``2**bits`` values per group, not one per value) and read back by code: a lookup per
+        value instead of the grid's passes. Chunked, so that what it allocates besides its
+        result (8 bytes a value) stays a fraction of it on large tensors, in chunks large
+        enough that the ops' calls cost little."""
+        table = self.restore(ops.group_levels(stats, bits, dtype).contiguous()).view(-1)
+        restored = torch.empty(numel, dtype=dtype, device=codes.device)
+        groups_per_chunk = -(-max(_MIN_LOOKUP_CHUNK, -(-numel // _MAX_CHUNKS)) // group_size)
+        code_bytes = group_size * bits // 8  # per group
+        for first in range(0, stats.shape[0], groups_per_chunk):
+            last = min(first + groups_per_chunk, stats.shape[0])
+            start, stop = first * group_size, min(last * group_size, numel)
+            indices = ops.level_indices(codes[first * code_bytes:last * code_bytes], bits, group_size, stop - start)
+            torch.index_select(table[first << bits:last << bits], 0, indices, out=restored[start:stop])
+        return restored
+
     def restore(self, decoded: torch.Tensor) -> torch.Tensor:
         """The input whose derivative is ``decoded``, written over ``decoded``.
 
@@ -642,6 +671,7 @@ class _Grid(NamedTuple):
 # table's int32 piece indices, the gathered lines) live for one chunk, never for the whole
 # tensor: at most 16 chunks, of at least 16,384 values.
 _MIN_CHUNK = 1 << 14
+_MIN_LOOKUP_CHUNK = 1 << 20
 _MAX_CHUNKS = 16
 
 

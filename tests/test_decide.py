@@ -288,6 +288,27 @@ def test_a_derivative_stored_at_two_bits_gives_an_unbiased_gradient():
     assert one / mean > 6  # sqrt(64) = 8 when unbiased
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_derivative_is_restored_a_level_at_a_time_as_from_its_decoded_values(bits, dtype):
+    """Unpacking a stored derivative inverts each group's few levels and reads them back by
+    code: the same input, bit for bit, as inverting every decoded value (a partial last
+    group, a group holding NaN and one of exact zeros included)."""
+    torch.manual_seed(0)
+    x = torch.randn(40_000) * 3
+    substitute = decided(x, call("gelu", x)).substitute
+    derivative, restorer = substitute.store(x)
+    derivative = derivative.to(dtype)
+    derivative[:300] = 0.0
+    derivative[1000] = float("nan")
+    record = GroupQuantCodec(256).pack(derivative.contiguous(), bits, seed=3)
+    expected = restorer.restore(record.unpack())
+    restored = restorer.unpack(record)
+    assert restored.dtype == dtype and restored.shape == x.shape
+    assert torch.equal(restored.isnan(), expected.isnan()) and restored[1000].isnan()
+    assert torch.equal(restored.nan_to_num(), expected.nan_to_num())
+
+
 def test_what_no_codec_can_store_smaller_is_kept():
     x = torch.randn(4, 8)
     assert decided(x, min_numel=33).kind is Kind.KEEP  # too small

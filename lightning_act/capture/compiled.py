@@ -48,14 +48,14 @@ from lightning_act import ops
 from lightning_act.backward_reads import PointwiseDerivative, Read, Use, graph_reads
 from lightning_act.capture.decide import BATCH_NORM_OPS, Kind, decide_saved_node
 from lightning_act.capture.records import unpack as unpack_eager
-from lightning_act.capture.report import Outcome
+from lightning_act.capture.report import Outcome, SlotMemory
 from lightning_act.ops.layout import pack_bit_fields, unpack_bit_fields
 from lightning_act.policy import SlotInfo
 
 if TYPE_CHECKING:
     from lightning_act.capture.engine import ActivationCapture
 
-__all__ = ["COMPILED_REGION", "CheaperSaves", "GraphHooks", "GraphPlan", "SeedStream"]
+__all__ = ["COMPILED_REGION", "CheaperSaves", "GraphHooks", "GraphPlan", "PackedSave", "SeedStream"]
 
 #: Module name of saves with no ``nn_module_stack`` (functional code in a compiled region).
 COMPILED_REGION = "(compiled)"
@@ -87,6 +87,47 @@ class Plan(NamedTuple):
 def _parse(plan: str) -> Plan:
     return Plan(*ast.literal_eval(plan))
 
+
+class PackedSave(NamedTuple):
+    """What one packed save adds to the report: the same at every call of a plan for one
+    size, so worked out once per process (it runs for every packed tensor of every step)."""
+
+    plan: Plan
+    saved: int
+    stored: int
+    outcome: Outcome
+    codec: str
+    #: For a quantized save (None for a mask): its slot for the policy and the report.
+    slot_info: SlotInfo | None
+    slot_memory: SlotMemory | None
+    #: The plan's :attr:`Plan.kept`, each with its :class:`Outcome`.
+    kept: tuple[tuple[str, int, Outcome], ...]
+
+    @classmethod
+    def of(cls, plan: str, t: torch.Tensor, parts: list[torch.Tensor]) -> PackedSave:
+        key = (plan, t.numel())
+        save = _PACKED_SAVES.get(key)
+        if save is None:
+            if len(_PACKED_SAVES) >= _PACKED_SAVES_KEPT:  # new sizes at every step: dynamic shapes
+                _PACKED_SAVES.clear()
+            save = _PACKED_SAVES[key] = cls._work_out(_parse(plan), t, parts)
+        return save
+
+    @classmethod
+    def _work_out(cls, plan: Plan, t: torch.Tensor, parts: list[torch.Tensor]) -> PackedSave:
+        saved = t.numel() * t.element_size()
+        stored = sum(p.untyped_storage().nbytes() for p in parts)
+        kept = tuple((module, nbytes, Outcome(outcome)) for module, nbytes, outcome in plan.kept)
+        if plan.form == "mask":
+            return cls(plan, saved, stored, Outcome.LOSSLESS, "mask", None, None, kept)
+        shape = tuple(t.shape)
+        info = SlotInfo(plan.module, shape, t.numel(), parts[1].shape[0], t.element_size() * 8, plan.op, plan.min_bits)
+        memory = SlotMemory(plan.module, shape, plan.bits, saved, stored, "quant", plan.op)
+        return cls(plan, saved, stored, Outcome.COMPRESSED, "quant", info, memory, kept)
+
+
+_PACKED_SAVES: dict[tuple[str, int], PackedSave] = {}
+_PACKED_SAVES_KEPT = 1 << 14
 
 _GRAPH_STREAM = 0x6A09E667F3BCC909  # any constant that differs from the eager stream's
 
@@ -126,15 +167,21 @@ def _memory_order(size: Sequence[int], stride: Sequence[int]) -> bool:
     return True
 
 
+# Asked at every unpack, with the sizes the graph recorded (plain ints when it runs).
+_memory_order_of = functools.lru_cache(maxsize=4096)(_memory_order)
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """``x``'s values in the order :func:`_restore` puts them back in."""
+    if x.is_contiguous():  # the common case, without the general check's Python
+        return x.view(-1)
     if _memory_order(x.shape, x.stride()):
         return x.as_strided((x.numel(),), (1,))
     return x.contiguous().view(-1)
 
 
 def _restore(flat: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
-    if _memory_order(size, stride):
+    if _memory_order_of(tuple(size), tuple(stride)):
         return flat.as_strided(size, stride)
     return torch.empty_strided(size, stride, dtype=flat.dtype, device=flat.device).copy_(flat.view(size))
 
@@ -152,7 +199,10 @@ def _encode(x: torch.Tensor, plan: Plan, seed: int) -> list[torch.Tensor]:
 # reordered, merged or recomputed) and as unsafe in a CUDA graph: a replayed graph would
 # not run its Python, so it would repeat its seed (the same rounding noise every step, a
 # bias) and skip the report. Under ``mode="reduce-overhead"`` inductor keeps it out of its
-# CUDA graphs (it partitions the graph around it, or runs the graph without them).
+# CUDA graphs (it partitions the graph around it, or runs the graph without them). Their
+# kernels turn torch functions off: the capture's op tracker, a torch function mode, stays on
+# the stack while a compiled graph runs, and would see each of their tensor calls (a few us
+# each, for nothing: what they do is decided).
 _LIBRARY = torch.library.Library("lightning_act", "FRAGMENT")
 _LIBRARY.define("pack_saved(Tensor input, str plan) -> Tensor[]",
                 tags=(torch.Tag.nondeterministic_seeded, torch.Tag.cudagraph_unsafe))
@@ -162,13 +212,14 @@ _LIBRARY.define("unpack_saved(Tensor[] parts, SymInt[] size, SymInt[] stride, Sc
 @torch.library.impl(_LIBRARY, "pack_saved", "CompositeExplicitAutograd")
 def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
     """Store a tensor a compiled forward saves, as ``plan`` says; fresh noise each call."""
-    parsed = _parse(plan)
-    ops.ensure_kernels(input.device)
-    parts = _encode(input, parsed, SeedStream.next())
-    capture = _capturing()
-    if capture is not None:
-        capture.account_compiled(input, parsed, parts)
-    return parts
+    with torch._C.DisableTorchFunction():
+        parsed = _parse(plan)
+        ops.ensure_kernels(input.device)
+        parts = _encode(input, parsed, SeedStream.next())
+        capture = _capturing()
+        if capture is not None:
+            capture.account_compiled(plan, input, parts)
+        return parts
 
 
 @torch.library.register_fake("lightning_act::pack_saved", lib=_LIBRARY)
@@ -181,10 +232,10 @@ def _decode(parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int
     numel = math.prod(size)
     if plan.form == "mask":
         flat = unpack_bit_fields(parts[0], 1, planar=True, numel=numel).view(torch.bool)
+    elif plan.form == "derivative":
+        flat = plan.substitute().restore_quantized(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype)
     else:
         flat = torch.ops.lightning_act.unpack_dequantize(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype)
-        if plan.form == "derivative":
-            flat = plan.substitute().restore(flat)
     return _restore(flat, size, stride)
 
 
@@ -193,8 +244,9 @@ def _unpack_saved(
     parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int], dtype: torch.dtype, plan: str
 ) -> torch.Tensor:
     """The tensor :func:`_pack_saved` stored, with the sizes and strides it had."""
-    ops.ensure_kernels(parts[0].device)
-    return _decode(parts, size, stride, dtype, _parse(plan))
+    with torch._C.DisableTorchFunction():
+        ops.ensure_kernels(parts[0].device)
+        return _decode(parts, size, stride, dtype, _parse(plan))
 
 
 @torch.library.register_fake("lightning_act::unpack_saved", lib=_LIBRARY)

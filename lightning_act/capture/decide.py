@@ -271,6 +271,10 @@ class MinusInfinityStandIn:
 class _MinusInfinity(NamedTuple):
     mask: object  # a MaskCodec record
 
+    def unpack(self, record) -> torch.Tensor:
+        """The tensor backward reads, from the record its stand-in was stored in."""
+        return self.restore(record.unpack())
+
     def restore(self, decoded: torch.Tensor) -> torch.Tensor:
         return decoded.masked_fill_(self.mask.unpack().view(decoded.shape), -torch.inf)
 

@@ -36,7 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lightning_act import backward_reads
 from lightning_act.capture import compiled as compiled_module
 from lightning_act.capture import decide as decide_module
-from lightning_act.capture.compiled import COMPILED_REGION, CheaperSaves, GraphHooks, Plan, SeedStream
+from lightning_act.capture.compiled import COMPILED_REGION, CheaperSaves, GraphHooks, PackedSave, SeedStream
 from lightning_act.capture.decide import Decision, Kind, decide
 from lightning_act.capture.group_order import GroupOrders
 from lightning_act.capture.records import (
@@ -308,31 +308,27 @@ class ActivationCapture:
         self._layout_optimization = config.layout_optimization
         config.layout_optimization = False
 
-    def account_compiled(self, t: torch.Tensor, plan: Plan, parts: list[torch.Tensor]) -> None:
-        """Add a tensor a compiled graph packed (and the kept saves its plan carries) to the report."""
-        report = self.report
-        quantized = plan.form != "mask"
-        outcome = Outcome.COMPRESSED if quantized else Outcome.LOSSLESS
-        saved = t.numel() * t.element_size()
-        stored = sum(p.untyped_storage().nbytes() for p in parts)
-        memory = self._add_to_report(plan.module, outcome, plan.op, saved, stored)
-        if quantized:
+    def account_compiled(self, plan: str, t: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        """Add a tensor a compiled graph packed (and the kept saves its plan carries) to the report.
+
+        Runs once per packed tensor per step, so what depends only on the plan and the size
+        (bytes, slot, the per-module labels) is worked out once per process and reused."""
+        save = PackedSave.of(plan, t, parts)
+        parsed = save.plan
+        memory = self._add_to_report(parsed.module, save.outcome, parsed.op, save.saved, save.stored)
+        memory.codecs.add(save.codec)
+        if save.slot_memory is not None:
             memory.compressed += 1
-            memory.bits.add(plan.bits)
-            memory.codecs.add("quant")
+            memory.bits.add(parsed.bits)
             stats = parts[1]
             self._stats.append(stats)
-            if plan.slot not in self.slots:  # a graph from torch's cache: planned in another process
-                self.slots[plan.slot] = SlotInfo(plan.module, tuple(t.shape), t.numel(), stats.shape[0],
-                                                 t.element_size() * 8, plan.op, plan.min_bits)
-            self.report.slots[plan.slot] = SlotMemory(plan.module, tuple(t.shape), plan.bits, saved, stored, "quant",
-                                                      plan.op)
+            if parsed.slot not in self.slots:  # a graph from torch's cache: planned in another process
+                self.slots[parsed.slot] = save.slot_info
+            self.report.slots[parsed.slot] = save.slot_memory
             if self.estimator is not None:
-                self.estimator.observe_stats(plan.slot, plan.module, stats, plan.bits, plan.group_size)
-        else:
-            memory.codecs.add("mask")
-        for module, nbytes, kept in plan.kept:
-            self._add_to_report(module, Outcome(kept), None, nbytes, nbytes)
+                self.estimator.observe_stats(parsed.slot, parsed.module, stats, parsed.bits, parsed.group_size)
+        for module, nbytes, outcome in save.kept:
+            self._add_to_report(module, outcome, None, nbytes, nbytes)
 
     def _add_to_report(self, module: str, outcome: Outcome, op: str | None, saved: int, stored: int) -> ModuleMemory:
         report = self.report
@@ -352,7 +348,7 @@ class ActivationCapture:
         copies between saves: from now on autograd alone holds each record, so backward frees
         it right after the node that reads it, instead of all of them at the end of the step."""
         if self._stats:
-            found = torch.stack([count_nonfinite_groups(s) for s in self._stats]).sum()
+            found = count_nonfinite_groups(torch.cat([s[:, :1] for s in self._stats]))
             self.report.nonfinite_groups = self.report.nonfinite_groups + found
             self.total_nonfinite_groups = self.total_nonfinite_groups + found
         self._stats = []

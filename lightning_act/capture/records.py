@@ -166,10 +166,9 @@ class Compressed:
         self.substitute = substitute
 
     def unpack(self) -> torch.Tensor:
-        dense = self.record.unpack()
-        if self.substitute is not None:
-            dense = self.substitute.restore(dense)
-        return self.layout.restore(dense)
+        if self.substitute is None:
+            return self.layout.restore(self.record.unpack())
+        return self.layout.restore(self.substitute.unpack(self.record))
 
 
 class RegionView:

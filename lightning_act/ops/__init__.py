@@ -20,8 +20,9 @@ import torch
 
 from lightning_act.ops import reference, schemas  # noqa: F401 - registers the schemas and the reference
 from lightning_act.ops.extension import ensure_kernels, loaded_kernels
+from lightning_act.ops.layout import num_groups, pack_bit_fields
 from lightning_act.ops.reference import count_nonfinite_groups
-from lightning_act.ops.validation import LFC_DTYPES, SUPPORTED_BITS, check_quant_args
+from lightning_act.ops.validation import LFC_DTYPES, MIN_GROUP_SIZE, SUPPORTED_BITS, check_quant_args
 
 __all__ = [
     "LFC_DTYPES",
@@ -31,6 +32,8 @@ __all__ = [
     "division_pack",
     "division_unpack",
     "ensure_kernels",
+    "group_levels",
+    "level_indices",
     "loaded_kernels",
     "quantize_pack",
     "unpack_dequantize",
@@ -86,6 +89,37 @@ def unpack_dequantize(
     """
     ensure_kernels(codes.device)
     return torch.ops.lightning_act.unpack_dequantize(codes, stats, bits, group_size, numel, dtype, rows, columns)
+
+
+def group_levels(stats: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The values each group's codes decode to: ``[groups, 2**bits]`` of ``dtype``, entry
+    ``[g, c]`` being what :func:`unpack_dequantize` makes of code ``c`` in group ``g`` (the
+    kernel itself decodes them, so they match it bit for bit).
+
+    With :func:`level_indices`, a function of the decoded values costs one evaluation per
+    level instead of one per value: ``f(group_levels(...)).view(-1)[level_indices(...)]``.
+    """
+    levels = 1 << bits
+    width = max(levels, MIN_GROUP_SIZE)  # one group holding every code, padded to a valid size
+    one_group = pack_bit_fields(torch.arange(width, device=stats.device).remainder_(levels).to(torch.uint8), bits,
+                                planar=False)
+    groups = stats.shape[0]
+    decoded = unpack_dequantize(one_group.repeat(groups), stats, bits, width, groups * width, dtype)
+    return decoded.view(groups, width)[:, :levels]
+
+
+def level_indices(codes: torch.Tensor, bits: int, group_size: int, numel: int) -> torch.Tensor:
+    """Where each of the first ``numel`` values of a :func:`quantize_pack` output sits in
+    ``group_levels(stats, bits, dtype).view(-1)``: its code plus ``2**bits`` times its
+    group's index (int32 ``[numel]``, in memory order)."""
+    groups = num_groups(numel, group_size)
+    # Decoding with a step of 1 from 0 gives every code as it is. Filled on the device: a
+    # tensor copied from the host would wait for the device's queue.
+    unit = torch.zeros(groups, 2, dtype=torch.bfloat16, device=codes.device)
+    unit[:, 1] = 1.0
+    decoded = unpack_dequantize(codes, unit, bits, group_size, groups * group_size, torch.float32)
+    offsets = torch.arange(0, groups << bits, 1 << bits, dtype=torch.int32, device=codes.device)
+    return decoded.view(groups, group_size).to(torch.int32).add_(offsets[:, None]).view(-1)[:numel]
 
 
 def division_pack(
