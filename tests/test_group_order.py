@@ -3,6 +3,7 @@
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 from lightning_act import ActivationCapture, CompressionConfig, compress_activations, ops
 from lightning_act.capture.group_order import GroupOrders, range_energy
@@ -36,25 +37,27 @@ def scaled_rows(generator, tokens=512, features=64):
     return torch.randn(tokens, features, generator=generator) * torch.logspace(-3, 1, tokens)[:, None]
 
 
-def weight_grad(model, x, capture=None, seed=None):
+def weight_grad(model, x, capture=None, seed=None, run=None):
+    run = model if run is None else run
     model.zero_grad()
     if capture is None:
-        model(x).backward()
+        run(x).backward()
     else:
         with capture.capturing(inputs=x, seed=seed):
-            loss = model(x)
+            loss = run(x)
         loss.backward()
     return model.proj.weight.grad.clone()
 
 
-def error_energy(model, x, order, seeds=16):
-    """Mean squared gradient error at 2 bits over rounding seeds, and the mean gradient's."""
-    exact = weight_grad(model, x)
+def error_energy(model, x, order, seeds=16, run=None):
+    """Mean squared gradient error at 2 bits over rounding seeds, and the mean gradient's
+    (``run``: the model as called, e.g. compiled)."""
+    exact = weight_grad(model, x, run=run)
     capture = ActivationCapture(CompressionConfig(bits=2, group_order=order, min_numel=0), model, FixedBits(2))
-    weight_grad(model, x, capture, seed=0)  # the survey step
+    weight_grad(model, x, capture, seed=0, run=run)  # the survey step
     total, mean = 0.0, torch.zeros_like(exact)
     for seed in range(1, seeds + 1):
-        g = weight_grad(model, x, capture, seed=seed)
+        g = weight_grad(model, x, capture, seed=seed, run=run)
         total += (g - exact).square().sum().item()
         mean += g / seeds
     return total / seeds, (mean - exact).square().sum().item(), capture
@@ -69,6 +72,23 @@ def test_outlier_features_get_groups_down_the_columns_and_less_noise(generator):
     assert columns < 0.2 * memory  # the outliers widen only their own groups
     # Still unbiased: the mean of 16 seeds' gradients is about 16x closer than one seed's.
     assert mean_error < columns / 6
+
+
+def test_a_compiled_graph_surveys_and_chooses_the_axis_as_eager_does_without_recompiling(generator):
+    """The compiled pack op surveys the slot on the first step and groups later steps along
+    the axis that won, at run time: the graph is not compiled again."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model, x = Projection(), outlier_features(generator)
+    compiled = torch.compile(model, backend="inductor")
+    memory, _, _ = error_energy(model, x, "memory", run=compiled)
+    graphs = counters["stats"]["unique_graphs"]
+    columns, mean_error, capture = error_energy(model, x, "auto", run=compiled)
+    assert capture.group_orders.axis["proj#0"] == 0  # (the graph also stores its input, the batch)
+    assert counters["stats"]["unique_graphs"] == graphs + 1  # the "auto" settings' graph, once
+    assert columns < 0.2 * memory
+    assert mean_error < columns / 6
+    torch._dynamo.reset()
 
 
 def test_rows_of_different_scale_keep_memory_order(generator):

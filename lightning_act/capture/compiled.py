@@ -47,6 +47,7 @@ import torch.fx as fx
 from lightning_act import ops
 from lightning_act.backward_reads import PointwiseDerivative, Read, Use, graph_reads
 from lightning_act.capture.decide import BATCH_NORM_OPS, Kind, decide_saved_node
+from lightning_act.capture.group_order import candidate_axes
 from lightning_act.capture.records import unpack as unpack_eager
 from lightning_act.capture.report import Outcome, SlotMemory
 from lightning_act.ops.layout import pack_bit_fields, unpack_bit_fields
@@ -78,6 +79,10 @@ class Plan(NamedTuple):
     kept: tuple[tuple[str, int, str], ...] = ()
     #: "derivative": :attr:`PointwiseDerivative.source`, what rebuilds it in any process.
     derivative: tuple[str, str] | None = None
+    #: "quant": the axis its groups run along is the capture's survey's choice for the slot
+    #: (:mod:`~lightning_act.capture.group_order`), made at run time; a third part records
+    #: the matrices it was read as.
+    surveyed: bool = False
 
     def substitute(self) -> PointwiseDerivative | None:
         return None if self.derivative is None else PointwiseDerivative.from_source(*self.derivative)
@@ -186,12 +191,22 @@ def _restore(flat: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> 
     return torch.empty_strided(size, stride, dtype=flat.dtype, device=flat.device).copy_(flat.view(size))
 
 
-def _encode(x: torch.Tensor, plan: Plan, seed: int) -> list[torch.Tensor]:
-    flat = _flat(x.detach())
+def _encode(x: torch.Tensor, plan: Plan, seed: int, axis: int | None = None) -> list[torch.Tensor]:
+    x = x.detach()
     if plan.form == "mask":
-        return [pack_bit_fields(flat.view(torch.uint8), 1, planar=True)]
-    codes, stats = torch.ops.lightning_act.quantize_pack(flat, plan.bits, plan.group_size, seed)
-    return [codes, stats]
+        return [pack_bit_fields(_flat(x).view(torch.uint8), 1, planar=True)]
+    if not plan.surveyed:
+        return list(torch.ops.lightning_act.quantize_pack(_flat(x), plan.bits, plan.group_size, seed))
+    # Groups along ``axis``: read as matrices of its size by the product of the later sizes,
+    # column by column (x is contiguous: the plan says so). The matrices' shape goes with
+    # the codes, on the host, where unpack reads it without waiting for the device.
+    rows = columns = 0
+    source = x.view(-1)
+    if axis is not None and axis < x.dim() - 1:
+        rows, columns = x.shape[axis], x.shape[axis + 1:].numel()
+        source = x.view(-1, rows, columns)
+    codes, stats = torch.ops.lightning_act.quantize_pack(source, plan.bits, plan.group_size, seed, rows > 0)
+    return [codes, stats, torch.tensor([rows, columns])]
 
 
 # The graph ops, registered as plain dispatcher kernels (not ``torch.library.custom_op``,
@@ -215,8 +230,10 @@ def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
     with torch._C.DisableTorchFunction():
         parsed = _parse(plan)
         ops.ensure_kernels(input.device)
-        parts = _encode(input, parsed, SeedStream.next())
         capture = _capturing()
+        # The slot's group axis, or None (memory order) while its survey runs (first step).
+        axis = capture.group_orders.order(parsed.slot, input) if parsed.surveyed and capture is not None else None
+        parts = _encode(input, parsed, SeedStream.next(), axis)
         if capture is not None:
             capture.account_compiled(plan, input, parts)
         return parts
@@ -235,7 +252,9 @@ def _decode(parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int
     elif plan.form == "derivative":
         flat = plan.substitute().restore_quantized(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype)
     else:
-        flat = torch.ops.lightning_act.unpack_dequantize(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype)
+        rows, columns = parts[2].tolist() if plan.surveyed else (0, 0)
+        flat = torch.ops.lightning_act.unpack_dequantize(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype,
+                                                         rows, columns)
     return _restore(flat, size, stride)
 
 
@@ -698,7 +717,12 @@ class GraphPlan:
         if decision.substitute is not None:
             return Plan("derivative", bits, group_size, module, slot, op, decision.min_bits,
                         derivative=decision.substitute.source), Outcome.COMPRESSED
-        return Plan("quant", bits, group_size, module, slot, op, decision.min_bits), Outcome.COMPRESSED
+        # Its groups' axis surveyed as in eager, where eager would: groups of the tensor's own
+        # values (not rows laid out for them), in a tensor stored in its logical order.
+        surveyed = (capture.chooses_group_axes and decision.row_group is None and val.is_contiguous()
+                    and bool(candidate_axes(val, group_size)))
+        return Plan("quant", bits, group_size, module, slot, op, decision.min_bits,
+                    surveyed=surveyed), Outcome.COMPRESSED
 
 
     def _module(self, node: fx.Node) -> str:

@@ -181,7 +181,7 @@ class ActivationCapture:
                 # named as in the module the user compiled.
                 name = ".".join(part for part in name.split(".") if part != "_orig_mod")
                 self._names[module] = name or type(module).__name__
-        self._chooses_group_axes = self.config.group_order == "auto"
+        self.chooses_group_axes = self.config.group_order == "auto"
         #: Every slot seen so far, with what the policy needs to allocate bits to it.
         self.slots: dict[str, SlotInfo] = {}
         #: Set by the caller for the sessions whose statistics feed a recalibration.
@@ -694,7 +694,7 @@ class ActivationCapture:
         )
         # Groups along another axis than the last where that was measured to round with less noise.
         group_axis = None
-        if codec is self._codecs["quant"] and self._chooses_group_axes:
+        if codec is self._codecs["quant"] and self.chooses_group_axes:
             group_axis = self.group_orders.order(slot, dense)
         if self._probe is not None:
             # Probed through the quantizer with the groups the tensor would be stored in.
