@@ -142,6 +142,8 @@ struct ReconstructedGroups {
       }
     });
   }
+
+  void finish() const {}
 };
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> division_pack_cpu(const at::Tensor& input, int64_t block_h,

@@ -45,15 +45,38 @@ LIGHTNING_ACT_ALWAYS_INLINE void for_each_column_run(const ColumnMajorOrder& ord
   }
 }
 
+// The columns a column_major read holds in a tile at once, from `cursor`'s on, for a group
+// of `count` values from there: as many as share a 64-byte line of a row (so that every
+// line is read once), fewer where the matrix is so tall that the tile would outgrow the
+// cache, and at least the group's.
+inline int64_t tile_columns(const ColumnMajorOrder& order, const ColumnMajorCursor& cursor, int64_t count) {
+  constexpr int64_t kLineColumns = 16;
+  constexpr int64_t kMaxTileValues = int64_t{1} << 16;
+  const int64_t cached = std::max<int64_t>(1, std::min<int64_t>(kLineColumns, kMaxTileValues / order.rows));
+  const int64_t group = (cursor.row + count + order.rows - 1) / order.rows;
+  return std::min(std::max(cached, group), order.columns - cursor.column);
+}
+
 // quantize_pack's GroupSource for column_major: the values gathered column by column. A
-// group runs down a column, `columns` values apart in memory; the groups after it read the
-// next columns, whose values share its cache lines, so one task's groups reuse them.
+// group runs down a column, `columns` values apart in memory; reading it value by value
+// would fetch a cache line per value. So a tile of the next columns is read row by row
+// (each line once) into a column-major buffer, which the groups then read in order; a
+// group that spans two matrices is gathered value by value.
 template <typename scalar_t>
 struct ColumnMajorInputGroups {
   const scalar_t* input;
   ColumnMajorOrder order;
+  std::vector<float> tile;  // read positions [tile_begin, tile_end), in read order
+  int64_t tile_begin = 0;
+  int64_t tile_end = 0;
 
-  LIGHTNING_ACT_ALWAYS_INLINE const float* operator()(int64_t start, int64_t count, float* buffer) const {
+  LIGHTNING_ACT_ALWAYS_INLINE const float* operator()(int64_t start, int64_t count, float* buffer) {
+    if (start < tile_begin || start + count > tile_end) {
+      load_tile(start, count);
+    }
+    if (start >= tile_begin && start + count <= tile_end) {
+      return tile.data() + (start - tile_begin);
+    }
     for_each_column_run(order, start, count, [&](int64_t first, int64_t offset, int64_t run) {
       const int64_t stride = order.columns;
       for (int64_t k = 0; k < run; ++k) {
@@ -61,6 +84,23 @@ struct ColumnMajorInputGroups {
       }
     });
     return buffer;
+  }
+
+  // The tile of whole columns from the one holding read position `start`.
+  void load_tile(int64_t start, int64_t count) {
+    const ColumnMajorCursor cursor = order.at(start);
+    const int64_t rows = order.rows;
+    const int64_t width = tile_columns(order, cursor, count);
+    tile_begin = start - cursor.row;
+    tile_end = tile_begin + width * rows;
+    tile.resize(width * rows);
+    const scalar_t* top = input + (cursor.offset - cursor.row * order.columns);  // row 0 of the column
+    for (int64_t row = 0; row < rows; ++row) {
+      const scalar_t* values = top + row * order.columns;
+      for (int64_t column = 0; column < width; ++column) {
+        tile[column * rows + row] = static_cast<float>(values[column]);
+      }
+    }
   }
 };
 
@@ -76,23 +116,78 @@ struct OutputGroups {
       values[i] = static_cast<scalar_t>(decoded(i));
     }
   }
+
+  void finish() const {}
 };
 
-// unpack_dequantize's GroupSink for a column_major pack: the values scattered back to their
-// places in row-major memory.
+// unpack_dequantize's GroupSink for a column_major pack: the values put back in their places
+// in row-major memory. As ColumnMajorInputGroups reads, it writes a tile at a time: decoded
+// groups fill a column-major tile in order, which goes out row by row once full, or when
+// the next group does not continue it, or at the end of the task (finish); a group that
+// spans two matrices is scattered value by value.
 template <typename scalar_t>
 struct ColumnMajorOutputGroups {
   scalar_t* output;
   ColumnMajorOrder order;
+  std::vector<scalar_t> tile;  // read positions [tile_begin, filled) of [tile_begin, tile_end)
+  int64_t tile_begin = 0;
+  int64_t tile_end = 0;
+  int64_t filled = 0;
 
   template <typename Decoded>
-  LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t start, int64_t count, const Decoded& decoded) const {
+  LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t start, int64_t count, const Decoded& decoded) {
+    if (start != filled || start + count > tile_end) {
+      finish();
+      start_tile(start, count);
+    }
+    if (start + count <= tile_end) {
+      scalar_t* values = tile.data() + (start - tile_begin);
+      for (int64_t i = 0; i < count; ++i) {
+        values[i] = static_cast<scalar_t>(decoded(i));
+      }
+      filled = start + count;
+      if (filled == tile_end) {
+        finish();
+      }
+      return;
+    }
     for_each_column_run(order, start, count, [&](int64_t first, int64_t offset, int64_t run) {
       const int64_t stride = order.columns;
       for (int64_t k = 0; k < run; ++k) {
         output[offset + k * stride] = static_cast<scalar_t>(decoded(first + k));
       }
     });
+  }
+
+  // A tile from read position `start` to the end of the tile's last column.
+  void start_tile(int64_t start, int64_t count) {
+    const ColumnMajorCursor cursor = order.at(start);
+    const int64_t width = tile_columns(order, cursor, count);
+    tile_begin = filled = start;
+    tile_end = start - cursor.row + width * order.rows;
+    tile.resize(tile_end - tile_begin);
+  }
+
+  // Writes what the tile holds, row by row.
+  void finish() {
+    if (filled == tile_begin) {
+      return;
+    }
+    const ColumnMajorCursor cursor = order.at(tile_begin);
+    const int64_t rows = order.rows;
+    const int64_t width = (cursor.row + (filled - tile_begin) + rows - 1) / rows;
+    scalar_t* top = output + (cursor.offset - cursor.row * order.columns);  // row 0 of the first column
+    const int64_t held = filled - tile_begin;
+    for (int64_t row = 0; row < rows; ++row) {
+      scalar_t* values = top + row * order.columns;
+      for (int64_t column = 0; column < width; ++column) {
+        const int64_t k = column * rows + row - cursor.row;  // its place in the tile
+        if (k >= 0 && k < held) {
+          values[column] = tile[k];
+        }
+      }
+    }
+    tile_begin = tile_end = filled = 0;
   }
 };
 

@@ -493,6 +493,7 @@ struct DecodeTask {
       };
       params.zero_preserving ? store(std::true_type{}) : store(std::false_type{});
     }
+    sink.finish();  // a sink that writes in tiles writes its last one
   }
 };
 

@@ -114,8 +114,11 @@ def test_multidimensional_input(device, generator):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_column_major_matches_reference_bit_for_bit(device, dtype, bits, generator):
     """Groups down the columns: matrices shorter and taller than a group, columns that end
-    inside a chunk of 8, a single row or column, a ragged last group."""
-    shapes = [(1, 9), (9, 1), (5, 7, 11), (3, 128, 40), (2, 300, 3), (13, 67), (4, 2, 64, 33)]
+    inside a chunk of 8, a single row or column, a ragged last group; more columns than the
+    kernel's tiles hold, with groups that end inside a tile, across one or across matrices,
+    and matrices so tall that a tile holds fewer columns."""
+    shapes = [(1, 9), (9, 1), (5, 7, 11), (3, 128, 40), (2, 300, 3), (13, 67), (4, 2, 64, 33), (2, 64, 520),
+              (3, 100, 70), (4500, 20)]
     for group_size in (8, 64, 256):
         for shape in shapes:
             x = random_input(torch.Size(shape).numel(), dtype, generator).view(shape)
@@ -133,7 +136,8 @@ def test_column_major_reads_the_transposed_order(device, generator):
     decoded = ops.unpack_dequantize(codes, stats, 4, 64, x.numel(), torch.float32, 50, 24).view(x.shape)
     plain = ops.unpack_dequantize(transposed_codes, transposed_stats, 4, 64, x.numel(), torch.float32)
     assert torch.equal(decoded, plain.view(6, 24, 50).transpose(1, 2))
-    assert (decoded - x).abs().max() < (x.max() - x.min()) / 15 * 1.01
+    # Within a step of 4 bits: 15 steps over a group's range, 14 in a zero-preserving group.
+    assert (decoded - x).abs().max() < (x.max() - x.min()) / 14 * 1.01
 
 
 def test_signed_zeros(device):
