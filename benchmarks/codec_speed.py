@@ -70,8 +70,11 @@ def main():
     clone = ("copy (clone) of the fp32 activation", x, lambda: x.clone(), None)
     kernels = [
         ("quant 2-bit, group 256 (kernel)", x, *_codec_pair(GroupQuantCodec(256), x)),
-        # Groups along the rows of each 32 x 32 plane: a strided read and write.
+        # Groups along the rows of each 32 x 32 plane, and down the tokens of a (batch,
+        # tokens, features) view (64 x 1024 matrices): a strided read and write.
         ("quant 2-bit, group 256, along axis 2 (kernel)", x, *_codec_pair(GroupQuantCodec(256), x, group_axis=2)),
+        ("quant 2-bit, group 256, (64, 64, 1024) axis 1", x,
+         *_codec_pair(GroupQuantCodec(256), x.view(64, 64, 1024), group_axis=1)),
         ("DIVISION block 8, 2-bit (kernel)", x, *_codec_pair(DivisionCodec(8), x)),
     ]
     cases = [
