@@ -17,6 +17,7 @@ transformer, GCN on Cora), the same weights and batch in every row:
 
     python benchmarks/compiled.py                       # every model, inductor
     python benchmarks/compiled.py --models resnet18_cifar --backend aot_eager
+    python benchmarks/compiled.py --group-order memory --out benchmarks/results/compiled_memory_order_cpu.json
 """
 
 from __future__ import annotations
@@ -95,12 +96,13 @@ def step_seconds(workload: Workload, methods: dict[str, Method], rounds: int) ->
     return best
 
 
-def measure_model(name: str, batch: int, backend: str, device: torch.device, data_dir: Path, rounds: int) -> dict:
+def measure_model(name: str, batch: int, backend: str, device: torch.device, data_dir: Path, rounds: int,
+                  group_order: str) -> dict:
     suite = CPU_SUITE if device.type == "cpu" else GPU_SUITE
     sizes = suite.models[name].sizes
     eager = build_workload(name, batch, sizes, device, data_dir)
-    none, two, eight = Method(), Compression(2), Compression(8)
-    row: dict = {"batch": batch, "backend": backend}
+    none, two, eight = Method(), Compression(2, group_order=group_order), Compression(8, group_order=group_order)
+    row: dict = {"batch": batch, "backend": backend, "group_order": group_order}
 
     torch._dynamo.reset()
     log(f"{name}: eager")
@@ -162,6 +164,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--group-order", default="auto", choices=("auto", "memory"),
+                        help="the library's group_order (memory: every group in memory order)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -172,7 +176,8 @@ def main() -> None:
     results = {"environment": environment(device), "models": {}}
     for name in args.models:
         torch.manual_seed(0)
-        results["models"][name] = measure_model(name, MODELS[name], args.backend, device, args.data_dir, args.rounds)
+        results["models"][name] = measure_model(name, MODELS[name], args.backend, device, args.data_dir, args.rounds,
+                                                args.group_order)
     out = args.out or REPO / "benchmarks" / "results" / f"compiled_{device.type}.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     log(f"wrote {out}")

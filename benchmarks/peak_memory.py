@@ -197,14 +197,16 @@ class Compression(Method):
     armed and paused exactly as :class:`~lightning_act.ActCompression` does: capture starts
     before the forward, pauses for the backward and stops after it."""
 
-    def __init__(self, bits: int = 2, budget: float | None = None):
+    def __init__(self, bits: int = 2, budget: float | None = None, group_order: str = "auto"):
         self.bits = bits
         self.budget = budget
+        self.group_order = group_order
         self.capture: ActivationCapture | None = None
 
     def prepare(self, workload: Workload) -> None:
         policy = FixedBits(self.bits) if self.budget is None else AdaptiveBits(self.budget)
-        self.capture = ActivationCapture(CompressionConfig(bits=self.bits), workload.model, policy)
+        config = CompressionConfig(bits=self.bits, group_order=self.group_order)
+        self.capture = ActivationCapture(config, workload.model, policy)
         if self.budget is not None:
             # ActCompression's first probe recalibration, on a few leading samples.
             sample = workload.leading_rows(PROBE_SAMPLES)

@@ -561,8 +561,8 @@ class PointwiseDerivative:
         these codes, bit for bit, with the inverse taken once per level of each group
         (``2**bits`` values per group, not one per value) and read back by code: a lookup per
         value instead of the grid's passes. Chunked, so that what it allocates besides its
-        result (8 bytes a value) stays a fraction of it on large tensors, in chunks large
-        enough that the ops' calls cost little."""
+        result (8 bytes a value of a chunk: a sixteenth of the tensor, at least 128K values)
+        stays a fraction of it, which the step's peak feels."""
         table = self.restore(ops.group_levels(stats, bits, dtype).contiguous()).view(-1)
         restored = torch.empty(numel, dtype=dtype, device=codes.device)
         groups_per_chunk = -(-max(_MIN_LOOKUP_CHUNK, -(-numel // _MAX_CHUNKS)) // group_size)
@@ -671,7 +671,7 @@ class _Grid(NamedTuple):
 # table's int32 piece indices, the gathered lines) live for one chunk, never for the whole
 # tensor: at most 16 chunks, of at least 16,384 values.
 _MIN_CHUNK = 1 << 14
-_MIN_LOOKUP_CHUNK = 1 << 20
+_MIN_LOOKUP_CHUNK = 1 << 17
 _MAX_CHUNKS = 16
 
 

@@ -79,10 +79,12 @@ class Plan(NamedTuple):
     kept: tuple[tuple[str, int, str], ...] = ()
     #: "derivative": :attr:`PointwiseDerivative.source`, what rebuilds it in any process.
     derivative: tuple[str, str] | None = None
-    #: "quant": the axis its groups run along is the capture's survey's choice for the slot
-    #: (:mod:`~lightning_act.capture.group_order`), made at run time; a third part records
-    #: the matrices it was read as.
-    surveyed: bool = False
+    #: "quant": the key under which the capture surveys and chooses the axis its groups run
+    #: along (:mod:`~lightning_act.capture.group_order`), at run time; a third part records
+    #: the matrices it was read as. None: memory order. The key is the slot and the shape:
+    #: graphs split by graph breaks name modules from the frame they compiled, so two
+    #: layers' saves can share a slot's name, and one's choice must not serve the other.
+    survey: str | None = None
 
     def substitute(self) -> PointwiseDerivative | None:
         return None if self.derivative is None else PointwiseDerivative.from_source(*self.derivative)
@@ -195,7 +197,7 @@ def _encode(x: torch.Tensor, plan: Plan, seed: int, axis: int | None = None) -> 
     x = x.detach()
     if plan.form == "mask":
         return [pack_bit_fields(_flat(x).view(torch.uint8), 1, planar=True)]
-    if not plan.surveyed:
+    if plan.survey is None:
         return list(torch.ops.lightning_act.quantize_pack(_flat(x), plan.bits, plan.group_size, seed))
     # Groups along ``axis``: read as matrices of its size by the product of the later sizes,
     # column by column (x is contiguous: the plan says so). The matrices' shape goes with
@@ -232,7 +234,7 @@ def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
         ops.ensure_kernels(input.device)
         capture = _capturing()
         # The slot's group axis, or None (memory order) while its survey runs (first step).
-        axis = capture.group_orders.order(parsed.slot, input) if parsed.surveyed and capture is not None else None
+        axis = None if parsed.survey is None or capture is None else capture.group_orders.order(parsed.survey, input)
         parts = _encode(input, parsed, SeedStream.next(), axis)
         if capture is not None:
             capture.account_compiled(plan, input, parts)
@@ -252,7 +254,7 @@ def _decode(parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int
     elif plan.form == "derivative":
         flat = plan.substitute().restore_quantized(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype)
     else:
-        rows, columns = parts[2].tolist() if plan.surveyed else (0, 0)
+        rows, columns = (0, 0) if plan.survey is None else parts[2].tolist()
         flat = torch.ops.lightning_act.unpack_dequantize(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype,
                                                          rows, columns)
     return _restore(flat, size, stride)
@@ -721,8 +723,8 @@ class GraphPlan:
         # values (not rows laid out for them), in a tensor stored in its logical order.
         surveyed = (capture.chooses_group_axes and decision.row_group is None and val.is_contiguous()
                     and bool(candidate_axes(val, group_size)))
-        return Plan("quant", bits, group_size, module, slot, op, decision.min_bits,
-                    surveyed=surveyed), Outcome.COMPRESSED
+        survey = f"{slot} {tuple(val.shape)}" if surveyed else None
+        return Plan("quant", bits, group_size, module, slot, op, decision.min_bits, survey=survey), Outcome.COMPRESSED
 
 
     def _module(self, node: fx.Node) -> str:
