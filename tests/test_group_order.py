@@ -63,9 +63,16 @@ def error_energy(model, x, order, seeds=16, run=None):
     return total / seeds, (mean - exact).square().sum().item(), capture
 
 
-def test_outlier_features_get_groups_down_the_columns_and_less_noise(generator):
+def fixed_input():
+    """One input, the same every run, for the checks of unbiasedness: the error lies in a few
+    directions (the outlier features'), so how much closer 16 seeds' mean is than one seed
+    spreads widely over inputs (5x to 400x over eleven of them, 16x expected)."""
+    return outlier_features(torch.Generator().manual_seed(0))
+
+
+def test_outlier_features_get_groups_down_the_columns_and_less_noise():
     torch.manual_seed(0)
-    model, x = Projection(), outlier_features(generator)
+    model, x = Projection(), fixed_input()
     memory, _, _ = error_energy(model, x, "memory")
     columns, mean_error, capture = error_energy(model, x, "auto")
     assert capture.group_orders.axis == {"proj#0": 0}
@@ -74,12 +81,12 @@ def test_outlier_features_get_groups_down_the_columns_and_less_noise(generator):
     assert mean_error < columns / 6
 
 
-def test_a_compiled_graph_surveys_and_chooses_the_axis_as_eager_does_without_recompiling(generator):
+def test_a_compiled_graph_surveys_and_chooses_the_axis_as_eager_does_without_recompiling():
     """The compiled pack op surveys the slot on the first step and groups later steps along
     the axis that won, at run time: the graph is not compiled again."""
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model, x = Projection(), outlier_features(generator)
+    model, x = Projection(), fixed_input()
     compiled = torch.compile(model, backend="inductor")
     memory, _, _ = error_energy(model, x, "memory", run=compiled)
     graphs = counters["stats"]["unique_graphs"]
