@@ -219,6 +219,8 @@ class ActCompression(Callback):
         stream = splitmix64((trainer.global_step << 24) ^ (batch_idx << 8) ^ trainer.global_rank)
         self._step_peak.start()  # after the probes: their memory is not the step's
         self.capture.start(inputs=batch, seed=splitmix64(self.config.seed ^ stream))
+        if getattr(pl_module, "_compiler_ctx", None) is not None:  # trainer.fit(torch.compile(module))
+            self.capture.watch_ops(False)  # the training step is compiled: no module call around it
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss) -> None:

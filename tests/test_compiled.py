@@ -257,6 +257,46 @@ def test_pack_and_unpack_ops_round_trip_masks_exactly_and_floats_within_a_step()
     assert not torch.equal(again[0], parts[0])  # fresh noise each call
 
 
+def test_the_op_tracker_is_off_while_a_compiled_module_runs_and_on_in_its_eager_modules():
+    """The compiled graph's own calls pass the tracker by (nothing it sees is saved through a
+    pack hook there); a module the compiled one runs eagerly (at a graph break) is tracked."""
+    watching = []
+
+    @torch._dynamo.disable
+    def note(where):  # runs eagerly, where it is called
+        watching.append((where, capture._tracker.watching))
+
+    class Eager(nn.Module):
+        def forward(self, x):
+            note("eager module")
+            return torch.tanh(x)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.eager = nn.Linear(16, 16), Eager()
+
+        @torch.compiler.disable
+        def run_eagerly(self, x):  # a graph break: run as plain Python, module hooks and all
+            return self.eager(x)
+
+        def forward(self, x):
+            note("compiled frame")
+            return self.run_eagerly(self.lin(x)).sum()
+
+    model = Net()
+    run = torch.compile(model, backend="aot_eager")
+    x = torch.randn(8, 16)
+    with compress_activations(model, inputs=x, bits=8) as capture:
+        note("before")
+        run(x).backward()
+        note("after")
+    assert watching == [("before", True), ("compiled frame", False), ("eager module", True), ("after", True)]
+    assert not capture._tracker.watching
+    assert torch._C._len_torch_function_stack() == 0
+    assert capture.report.modules["eager"].ops == {"tanh"}  # the eager save knew its op
+
+
 class CompiledInside(MLP):
     def __init__(self):
         super().__init__()

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
 from lightning_act.codecs.exact import IndexCodec
 from lightning_act.optrack import OpTracker, TrackedCall, saved_index_range
 
@@ -56,6 +58,28 @@ def test_reports_the_outermost_function_and_pops_on_errors():
     with tracker, pytest.raises(RuntimeError):
         torch.mm(x, x)  # 1-D inputs: raises inside the function
     assert tracker.current() is None
+
+
+def test_watching_off_takes_the_tracker_out_from_under_other_modes():
+    class Counting(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    tracker, above = OpTracker(), Counting()
+    tracker.watch(True)
+    above.__enter__()  # entered after the tracker, still active when the tracker stops
+    tracker.watch(False)
+    assert not tracker.watching
+    assert _get_current_function_mode_stack() == [above]
+    torch.ones(2).relu()
+    assert above.calls == 2  # ones and relu: the mode above still sees every call
+    above.__exit__(None, None, None)
+    assert _get_current_function_mode_stack() == []
 
 
 def test_max_pool_indices_come_with_a_bound():

@@ -191,6 +191,7 @@ class ActivationCapture:
         self._rules_checked = False
         self._active = False
         self._paused = False
+        self._watched = False  # whether the op tracker watched when the session paused
         self._probe: Probe | None = None
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._stack: list[str] = []
@@ -234,7 +235,7 @@ class ActivationCapture:
             self.mark_external(list(self.model.buffers()))
         _SharedModuleHooks.register()
         _SharedModuleHooks.capturing.append(self)
-        self._tracker.__enter__()
+        self._tracker.watch(True)
         SeedStream.restart(seed)
         # Graph inputs are hooked too (an activation an earlier graph passed on at a graph
         # break), parameters and buffers not: see GraphPlan.
@@ -255,9 +256,10 @@ class ActivationCapture:
         try:
             self._hooks.__exit__(None, None, None)
         finally:
-            self._tracker.__exit__(None, None, None)
+            self._tracker.watch(False)
             self._hooks = None
             _SharedModuleHooks.capturing.remove(self)
+            _SharedModuleHooks.forget_switches()
             self._stack.clear()
         functorch_config.saved_tensors_hooks_filtering_mode = self._filtering
         if self._layout_optimization is not None:
@@ -360,11 +362,26 @@ class ActivationCapture:
 
     def pause(self) -> None:
         """Let saved tensors pass through untouched (for backward) until :meth:`resume`."""
+        if not self._paused:
+            self._watched = self._tracker.watching
         self._paused = True
+        self._tracker.watch(False)
         self._release_records()
 
     def resume(self) -> None:
+        if self._paused:
+            self._tracker.watch(self._active and self._watched)
         self._paused = False
+
+    def watch_ops(self, on: bool) -> None:
+        """Whether the op tracker sees the torch functions called from now on. The capture
+        turns it off itself while a compiled module runs (``torch.compile(module)``,
+        ``module.compile()``), and on again inside the modules such a module runs eagerly
+        at a graph break; a caller whose whole step runs compiled code, with no module call
+        around it (Lightning's compiled ``training_step``), turns it off after :meth:`start`.
+        Off, a save made eagerly outside any module is decided without its op (at the
+        floor for saves outside any op): still correct."""
+        self._tracker.watch(on and self._active and not self._paused)
 
     @property
     def active(self) -> bool:
@@ -745,10 +762,17 @@ class _SharedModuleHooks:
     step, and run it eagerly past the recompile limit. Outside a session they return at once.
     Inside a graph being compiled they do nothing, so the graph has no trace of them: a
     compiled graph's saves are attributed by the modules recorded in the graph instead.
+
+    They also turn the captures' op trackers off while a compiled module runs and on again
+    inside any module it runs eagerly (at a graph break), each restored when the module
+    returns (see :meth:`ActivationCapture.watch_ops`).
     """
 
     capturing: list[ActivationCapture] = []
     _handles: list[torch.utils.hooks.RemovableHandle] = []
+    #: The modules whose call switched the trackers, innermost last, each with the state
+    #: to restore when it returns.
+    _switched: list[tuple[nn.Module, bool]] = []
 
     @classmethod
     def register(cls) -> None:
@@ -764,10 +788,14 @@ class _SharedModuleHooks:
 
     @classmethod
     def _enter(cls, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not cls.capturing:
             return
         for capture in cls.capturing:
             capture._enter_module(module)
+        watch = not _runs_compiled(module)
+        if watch != cls.capturing[-1]._tracker.watching:
+            cls._switched.append((module, not watch))
+            cls._watch(watch)
 
     @classmethod
     def _leave(cls, module: nn.Module, args: Any, output: Any) -> None:
@@ -775,6 +803,32 @@ class _SharedModuleHooks:
             return
         for capture in cls.capturing:
             capture._leave_module(module, output)
+        if cls._switched and cls._switched[-1][0] is module:
+            cls._watch(cls._switched.pop()[1])
+
+    @classmethod
+    def _watch(cls, on: bool) -> None:
+        for capture in cls.capturing:
+            capture.watch_ops(on)
+
+    @classmethod
+    def forget_switches(cls) -> None:
+        """After the last session stops: no module call left to restore a state for."""
+        if not cls.capturing:
+            cls._switched.clear()
+
+
+def _runs_compiled(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs compiled code: ``torch.compile(module)``,
+    ``module.compile()`` or Lightning's compiled module (whose ``forward`` Dynamo wraps),
+    unless ``torch.compiler.set_stance("force_eager")`` runs it eagerly (the probes do)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None or eval_frame._stance.stance == "force_eager":
+        return False
+    if module._compiled_call_impl is not None:
+        return True
+    forward = module.__dict__.get("forward")  # set on the instance by all but module.compile()
+    return forward is not None and getattr(forward, "_torchdynamo_orig_callable", None) is not None
 
 
 def capturing_now() -> ActivationCapture | None:
