@@ -193,12 +193,18 @@ def _restore(flat: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> 
     return torch.empty_strided(size, stride, dtype=flat.dtype, device=flat.device).copy_(flat.view(size))
 
 
+# The library's kernels, resolved once (they run for every packed tensor of every step).
+_QUANTIZE_PACK = torch.ops.lightning_act.quantize_pack.default
+_UNPACK_DEQUANTIZE = torch.ops.lightning_act.unpack_dequantize.default
+
+
 def _encode(x: torch.Tensor, plan: Plan, seed: int, axis: int | None = None) -> list[torch.Tensor]:
-    x = x.detach()
+    if x.requires_grad:  # called eagerly (a compiled graph's tensors need no grad)
+        x = x.detach()
     if plan.form == "mask":
         return [pack_bit_fields(_flat(x).view(torch.uint8), 1, planar=True)]
     if plan.survey is None:
-        return list(torch.ops.lightning_act.quantize_pack(_flat(x), plan.bits, plan.group_size, seed))
+        return list(_QUANTIZE_PACK(_flat(x), plan.bits, plan.group_size, seed))
     # Groups along ``axis``: read as matrices of its size by the product of the later sizes,
     # column by column (x is contiguous: the plan says so). The matrices' shape goes with
     # the codes, on the host, where unpack reads it without waiting for the device.
@@ -207,7 +213,7 @@ def _encode(x: torch.Tensor, plan: Plan, seed: int, axis: int | None = None) -> 
     if axis is not None and axis < x.dim() - 1:
         rows, columns = x.shape[axis], x.shape[axis + 1:].numel()
         source = x.view(-1, rows, columns)
-    codes, stats = torch.ops.lightning_act.quantize_pack(source, plan.bits, plan.group_size, seed, rows > 0)
+    codes, stats = _QUANTIZE_PACK(source, plan.bits, plan.group_size, seed, rows > 0)
     return [codes, stats, torch.tensor([rows, columns])]
 
 
@@ -255,8 +261,7 @@ def _decode(parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int
         flat = plan.substitute().restore_quantized(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype)
     else:
         rows, columns = (0, 0) if plan.survey is None else parts[2].tolist()
-        flat = torch.ops.lightning_act.unpack_dequantize(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype,
-                                                         rows, columns)
+        flat = _UNPACK_DEQUANTIZE(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype, rows, columns)
     return _restore(flat, size, stride)
 
 

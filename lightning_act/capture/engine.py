@@ -175,6 +175,9 @@ class ActivationCapture:
         self.policy = policy or FixedBits(self.config.bits)
         self.model = model
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        # The model's modules, listed once: their buffers are marked alive at every start
+        # (read anew, since a module may replace one), without walking the tree each step.
+        self._modules: list[nn.Module] = [] if model is None else list(model.modules())
         if model is not None:
             for name, module in model.named_modules():
                 # A compiled module's modules are registered under its wrapper's ``_orig_mod``:
@@ -231,8 +234,10 @@ class ActivationCapture:
             seed = splitmix64(self.config.seed ^ splitmix64(ActivationCapture._sessions_in_process))
         self._reset_session(seed)
         self.mark_external(inputs)
-        if self.model is not None:
-            self.mark_external(list(self.model.buffers()))
+        for module in self._modules:
+            for buffer in module._buffers.values():
+                if buffer is not None:
+                    self.mark_external(buffer)
         _SharedModuleHooks.register()
         _SharedModuleHooks.capturing.append(self)
         self._tracker.watch(True)
