@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_act import ops
 from lightning_act.backward_reads import PointwiseDerivative, Read, Use, graph_reads
@@ -232,13 +233,29 @@ _LIBRARY.define("pack_saved(Tensor input, str plan) -> Tensor[]",
 _LIBRARY.define("unpack_saved(Tensor[] parts, SymInt[] size, SymInt[] stride, ScalarType dtype, str plan) -> Tensor")
 
 
+# The parts of a graph input the step keeps alive anyway (its batch), each mapped to that
+# input: unwritten, they only carry it to unpack (an entry lives as long as its parts).
+_KEPT_INPUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 @torch.library.impl(_LIBRARY, "pack_saved", "CompositeExplicitAutograd")
 def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
-    """Store a tensor a compiled forward saves, as ``plan`` says; fresh noise each call."""
+    """Store a tensor a compiled forward saves, as ``plan`` says; fresh noise each call.
+
+    A graph input that the session knows stays alive for the whole step (the batch, which
+    the graph's plan cannot tell from an activation an earlier graph passed on) is not
+    stored at all: its parts are left unwritten and unpack hands the input back, as the
+    eager path saves the batch as it is (a GCN's Cora features: 15 MiB packed every step)."""
     with torch._C.DisableTorchFunction():
         parsed = _parse(plan)
         ops.ensure_kernels(input.device)
         capture = _capturing()
+        if capture is not None and capture.keeps_alive(input):
+            parts = [torch.empty_like(p, device=input.device) if p.is_meta else p
+                     for p in _encode(input.detach().to("meta"), parsed, 0)]
+            _KEPT_INPUTS[parts[0]] = input.detach()
+            capture.account_compiled(plan, input, parts, kept_alive=True)
+            return parts
         # The slot's group axis, or None (memory order) while its survey runs (first step).
         axis = None if parsed.survey is None or capture is None else capture.group_orders.order(parsed.survey, input)
         parts = _encode(input, parsed, SeedStream.next(), axis)
@@ -271,6 +288,9 @@ def _unpack_saved(
 ) -> torch.Tensor:
     """The tensor :func:`_pack_saved` stored, with the sizes and strides it had."""
     with torch._C.DisableTorchFunction():
+        kept = _KEPT_INPUTS.get(parts[0])
+        if kept is not None:
+            return kept
         ops.ensure_kernels(parts[0].device)
         return _decode(parts, size, stride, dtype, _parse(plan))
 
@@ -665,9 +685,9 @@ class GraphPlan:
     are asked about them. Torch hooks every input that is not a parameter or a buffer: an
     activation an earlier graph passed on at a graph break, which must be compressed (a GCN
     split by PyG's data-dependent ops kept 15 of its 15.2 MiB otherwise), and the batch,
-    which cannot be told apart from one when the graph is compiled. So the batch is stored
-    too, its compressed copy costing ``bits / 32`` of it (it stays alive anyway), and
-    backward reads the rounded copy, as it reads every compressed input (unbiased).
+    which cannot be told apart from one when the graph is compiled. So both are planned as
+    activations; at run time the pack op hands the batch (any input the session knows to
+    stay alive for the step) back as it is, as eager does.
     """
 
     def __init__(self, forward: fx.Graph, backward: fx.Graph, capture: ActivationCapture):

@@ -315,12 +315,23 @@ class ActivationCapture:
         self._layout_optimization = config.layout_optimization
         config.layout_optimization = False
 
-    def account_compiled(self, plan: str, t: torch.Tensor, parts: list[torch.Tensor]) -> None:
-        """Add a tensor a compiled graph packed (and the kept saves its plan carries) to the report.
+    def keeps_alive(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage stays alive for the whole step anyway (the batch, buffers)."""
+        return self._live(self._external, t.untyped_storage().data_ptr())
+
+    def account_compiled(self, plan: str, t: torch.Tensor, parts: list[torch.Tensor], kept_alive: bool = False
+                         ) -> None:
+        """Add a tensor a compiled graph packed (and the kept saves its plan carries) to the
+        report; ``kept_alive``: one it kept as it is instead (see :meth:`keeps_alive`).
 
         Runs once per packed tensor per step, so what depends only on the plan and the size
         (bytes, slot, the per-module labels) is worked out once per process and reused."""
         save = PackedSave.of(plan, t, parts)
+        for module, nbytes, outcome in save.kept:
+            self._add_to_report(module, outcome, None, nbytes, nbytes)
+        if kept_alive:
+            self._count_uncounted(Outcome.EXTERNAL)
+            return
         parsed = save.plan
         memory = self._add_to_report(parsed.module, save.outcome, parsed.op, save.saved, save.stored)
         memory.codecs.add(save.codec)
@@ -334,8 +345,6 @@ class ActivationCapture:
             self.report.slots[parsed.slot] = save.slot_memory
             if self.estimator is not None:
                 self.estimator.observe_stats(parsed.slot, parsed.module, stats, parsed.bits, parsed.group_size)
-        for module, nbytes, outcome in save.kept:
-            self._add_to_report(module, outcome, None, nbytes, nbytes)
 
     def _add_to_report(self, module: str, outcome: Outcome, op: str | None, saved: int, stored: int) -> ModuleMemory:
         report = self.report
