@@ -322,6 +322,60 @@ def test_the_batch_a_compiled_graph_saves_is_handed_back_as_it_is():
     assert len(compiled._KEPT_INPUTS) == 0  # gone with the graph's saved parts
 
 
+class Propagate(nn.Module):
+    """A graph layer as PyG writes one: gather by the edge index's first row, scatter-add by
+    its second (reshaped and broadcast), so the graph saves the index, an input."""
+
+    def __init__(self, nodes: int):
+        super().__init__()
+        self.nodes, self.lin = nodes, nn.Linear(16, 16)
+
+    def forward(self, x, edge_index):
+        h = self.lin(x)
+        messages = torch.tanh(h[edge_index[0]])
+        target = edge_index[1].view(-1, 1).expand_as(messages)
+        return torch.zeros(self.nodes, 16).scatter_add(0, target, messages)
+
+
+def test_an_index_a_compiled_graph_saves_is_stored_in_fewer_bits_exactly():
+    from lightning_act.capture.compiled import index_bound
+
+    torch.manual_seed(0)
+    nodes = 300
+    model = Propagate(nodes)
+    run = torch.compile(model, backend="aot_eager")
+    x, edge_index = torch.randn(nodes, 16), torch.randint(0, nodes, (2, 5000))
+    model(x, edge_index).square().sum().backward()
+    exact = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with compress_activations(model, inputs=x, bits=8, min_numel=1) as capture:
+        loss = run(x, edge_index.clone()).square().sum()  # a copy: not the batch, stored
+    loss.backward()
+    memory = capture.report.modules["(compiled)"]  # the index, and tanh's output at 8 bits
+    assert memory.outcomes == {"lossless": 1, "compressed": 1} and "index" in memory.codecs
+    quantized = [slot for slot in capture.report.slots.values() if slot.module == "(compiled)"]
+    # Values within -300 .. 299 (h[index] takes negative ones): 16-bit codes for 64-bit values
+    assert memory.saved_bytes - sum(slot.saved_bytes for slot in quantized) == edge_index.numel() * 8
+    assert memory.stored_bytes - sum(slot.stored_bytes for slot in quantized) == edge_index.numel() * 2
+    # Lossless: the gradient differs from exact only through the 8-bit tanh output and h
+    for got, want in zip((p.grad for p in model.parameters()), exact):
+        assert rel_err(got, want) < 1e-2
+
+    # The bound is read only where every value of the index is checked against a fixed size.
+    graph = torch.fx.Graph()
+    source, index_node = graph.placeholder("source"), graph.placeholder("index")
+    source.meta["val"] = torch.empty(7, 3, device="meta")
+    index_node.meta["val"] = torch.empty(2, 5, dtype=torch.int64, device="meta")
+    rows = [graph.call_function(torch.ops.aten.select.int, (index_node, 0, i)) for i in range(2)]
+    for row in rows:
+        row.meta["val"] = torch.empty(5, dtype=torch.int64, device="meta")
+    graph.call_function(torch.ops.aten.index_select.default, (source, 0, rows[0]))
+    assert index_bound(index_node) is None  # row 1 read by nothing that checks it
+    graph.call_function(torch.ops.aten.index_select.default, (source, 1, rows[1]))
+    assert index_bound(index_node) == (0, 6)  # rows within 7 and 3 values
+    assert index_bound(rows[1]) == (0, 2)
+
+
 class CompiledInside(MLP):
     def __init__(self):
         super().__init__()

@@ -51,6 +51,7 @@ from lightning_act.capture.decide import BATCH_NORM_OPS, Kind, decide_saved_node
 from lightning_act.capture.group_order import candidate_axes
 from lightning_act.capture.records import unpack as unpack_eager
 from lightning_act.capture.report import Outcome, SlotMemory
+from lightning_act.codecs.exact import INDEX_DTYPES, IndexCodec, IndexTensor, index_layout
 from lightning_act.ops.layout import pack_bit_fields, unpack_bit_fields
 from lightning_act.policy import SlotInfo
 
@@ -68,7 +69,9 @@ _EAGER, _KEPT, _PACKED = "eager", "kept", "packed"
 class Plan(NamedTuple):
     """How one saved node of a compiled graph is stored (baked into the graph as a string)."""
 
-    form: str  # "quant", "derivative" (a pointwise op's input: the graph packs its derivative) or "mask"
+    # "quant", "derivative" (a pointwise op's input: the graph packs its derivative), "mask"
+    # or "index" (integers in fewer bits, exact)
+    form: str
     bits: int
     group_size: int
     module: str
@@ -86,6 +89,8 @@ class Plan(NamedTuple):
     #: graphs split by graph breaks name modules from the frame they compiled, so two
     #: layers' saves can share a slot's name, and one's choice must not serve the other.
     survey: str | None = None
+    #: "index": ``(low, high)`` bounding an integer save's values (:func:`index_bound`).
+    index_range: tuple[int, int] | None = None
 
     def substitute(self) -> PointwiseDerivative | None:
         return None if self.derivative is None else PointwiseDerivative.from_source(*self.derivative)
@@ -126,8 +131,8 @@ class PackedSave(NamedTuple):
         saved = t.numel() * t.element_size()
         stored = sum(p.untyped_storage().nbytes() for p in parts)
         kept = tuple((module, nbytes, Outcome(outcome)) for module, nbytes, outcome in plan.kept)
-        if plan.form == "mask":
-            return cls(plan, saved, stored, Outcome.LOSSLESS, "mask", None, None, kept)
+        if plan.form in ("mask", "index"):
+            return cls(plan, saved, stored, Outcome.LOSSLESS, plan.form, None, None, kept)
         shape = tuple(t.shape)
         info = SlotInfo(plan.module, shape, t.numel(), parts[1].shape[0], t.element_size() * 8, plan.op, plan.min_bits)
         memory = SlotMemory(plan.module, shape, plan.bits, saved, stored, "quant", plan.op)
@@ -204,6 +209,8 @@ def _encode(x: torch.Tensor, plan: Plan, seed: int, axis: int | None = None) -> 
         x = x.detach()
     if plan.form == "mask":
         return [pack_bit_fields(_flat(x).view(torch.uint8), 1, planar=True)]
+    if plan.form == "index":
+        return [IndexCodec().pack(_flat(x), 0, 0, value_range=plan.index_range).codes]
     if plan.survey is None:
         return list(_QUANTIZE_PACK(_flat(x), plan.bits, plan.group_size, seed))
     # Groups along ``axis``: read as matrices of its size by the product of the later sizes,
@@ -274,6 +281,9 @@ def _decode(parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int
     numel = math.prod(size)
     if plan.form == "mask":
         flat = unpack_bit_fields(parts[0], 1, planar=True, numel=numel).view(torch.bool)
+    elif plan.form == "index":
+        width, offset = index_layout(*plan.index_range, dtype)
+        flat = IndexTensor(parts[0], offset, width, torch.Size([numel]), dtype).unpack()
     elif plan.form == "derivative":
         flat = plan.substitute().restore_quantized(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype)
     else:
@@ -637,6 +647,93 @@ def consumers(node: fx.Node) -> dict[str, tuple]:
     return names
 
 
+# Aten ops whose forward checks every value of an index argument against one dimension of
+# a source (negative values are errors): name -> (index position, source position, the
+# dimension's position; None: the source's first dimension).
+_INDEXED_BY = {
+    "index_select": (2, 0, 1),
+    "gather": (2, 0, 1),
+    "scatter": (2, 0, 1),
+    "scatter_add": (2, 0, 1),
+    "scatter_reduce": (2, 0, 1),
+    "index_add": (2, 0, 1),
+    "embedding": (1, 0, None),
+}
+# Aten ops indexing dimension k of their first argument with the k-th of a list of index
+# tensors, negative values counting from the end (checked too; not the _unsafe_ variants).
+_INDEXED_BY_LIST = {"index": 1, "index_put": 1}
+
+
+def index_bound(node: fx.Node) -> tuple[int, int] | None:
+    """``(low, high)`` bounding every value of an integer node of a forward graph, where the
+    graph itself reads all of them as indices into dimensions of fixed sizes (the forward
+    checked them, so the bound holds): the node whole, or each of its rows (PyG's
+    ``edge_index[0]`` and ``edge_index[1]``, its gather and scatter indices). None otherwise:
+    a size that varies (``dynamic=True``), some values read by nothing that checks them."""
+    whole = _whole_index_bound(node)
+    if whole is not None:
+        return whole
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() == 0 or not isinstance(val.shape[0], int):
+        return None
+    rows: dict[int, tuple[int, int]] = {}
+    for user in node.users:
+        if (_name_of(user.target) == "select" and user.args[0] is node and user.args[1] in (0, -val.dim())
+                and isinstance(user.args[2], int)):
+            bound = _whole_index_bound(user)
+            if bound is not None:
+                row = user.args[2] % val.shape[0]
+                rows[row] = _intersection(rows[row], bound) if row in rows else bound
+    if not rows or len(rows) < val.shape[0]:
+        return None
+    return min(low for low, _ in rows.values()), max(high for _, high in rows.values())
+
+
+def _intersection(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return max(a[0], b[0]), min(a[1], b[1])
+
+
+# Views that hold every value of the tensor they view (an index reshaped or broadcast for
+# a scatter is read whole).
+_WHOLE_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "expand", "unsqueeze", "squeeze", "permute",
+                          "transpose", "t", "alias", "clone"})
+
+
+def _whole_index_bound(node: fx.Node) -> tuple[int, int] | None:
+    """The tightest bound among the ops reading the node, whole (or through views that hold
+    all its values), as an index into a fixed size."""
+    bound = None
+    for user in node.users:
+        name = _name_of(user.target)
+        found = None
+        if name in _WHOLE_VIEWS and user.args and user.args[0] is node:
+            view = user.meta.get("val")  # a view with no values (expanded to size 0) checks none
+            found = _whole_index_bound(user) if isinstance(view, torch.Tensor) and view.numel() else None
+        elif name in _INDEXED_BY:
+            index_at, source_at, dim_at = _INDEXED_BY[name]
+            if len(user.args) > index_at and user.args[index_at] is node:
+                dim = 0 if dim_at is None else user.args[dim_at]
+                size = _fixed_size(user.args[source_at], dim)
+                found = None if size is None else (0, size - 1)
+        elif name in _INDEXED_BY_LIST and len(user.args) > _INDEXED_BY_LIST[name]:
+            indices = user.args[_INDEXED_BY_LIST[name]]
+            if isinstance(indices, (list, tuple)) and node in indices:
+                size = _fixed_size(user.args[0], list(indices).index(node))
+                found = None if size is None else (-size, size - 1)
+        if found is not None:
+            bound = found if bound is None else _intersection(bound, found)
+    return bound
+
+
+def _fixed_size(source: Any, dim: Any) -> int | None:
+    """The size of ``source``'s dimension ``dim``, where it is a fixed, positive int."""
+    val = source.meta.get("val") if isinstance(source, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not isinstance(dim, int) or not -val.dim() <= dim < val.dim():
+        return None
+    size = val.shape[dim]
+    return size if isinstance(size, int) and size > 0 else None
+
+
 def _first_reader_stack(placeholder: fx.Node) -> dict | None:
     """The forward module stack of the backward node reading ``placeholder`` whose forward
     op ran first (views and detaches of it looked through)."""
@@ -729,6 +826,10 @@ class GraphPlan:
         )
         if decision.kind is Kind.MASK:
             return Plan("mask", 1, 0, module, "", op, 1), Outcome.LOSSLESS
+        if val.dtype in INDEX_DTYPES and val.numel() >= max(capture.config.min_numel, 1):
+            bound = index_bound(node)
+            if bound is not None and index_layout(*bound, val.dtype) is not None:
+                return Plan("index", 0, 0, module, "", op, 1, index_range=bound), Outcome.LOSSLESS
         if decision.kind is not Kind.QUANTIZE:
             return None, Outcome.STATISTIC if decision.kind is Kind.STATISTIC else Outcome.KEPT
         index = self._per_module[module] = self._per_module.get(module, -1) + 1

@@ -220,6 +220,19 @@ def index_width(span: int) -> int | None:
     return next((width for width in INDEX_WIDTHS if span < 1 << width), None)
 
 
+def index_layout(low: int, high: int, dtype: torch.dtype) -> tuple[int, int] | None:
+    """``(width, offset)`` of :class:`IndexCodec`'s codes for values in ``low .. high`` of
+    ``dtype``; None where they would not be narrower than ``dtype``."""
+    width = index_width(high - low)
+    if width is None or width >= dtype.itemsize * 8:
+        return None
+    if width not in _WIDE_CODE_DTYPES:
+        return width, low
+    # Centred so that every code fits the signed code dtype exactly.
+    offset = low + (1 << (width - 1))
+    return None if offset > torch.iinfo(dtype).max else (width, offset)
+
+
 class IndexCodec:
     """Stores integer tensors losslessly in the fewest bits their range needs.
 
@@ -275,18 +288,14 @@ class IndexCodec:
                 raise ValueError(
                     f"IndexCodec: value_range={value_range!r} must satisfy {info.min} <= low <= high <= {info.max}"
                 )
-        width = index_width(high - low)
-        if width is None or width >= dense.element_size() * 8:
+        layout = index_layout(low, high, dense.dtype)
+        if layout is None:
             return StoredTensor(dense)
+        width, offset = layout
         flat = dense.reshape(-1)
         if width in _WIDE_CODE_DTYPES:
-            # Centred so that every code fits the signed code dtype exactly.
-            offset = low + (1 << (width - 1))
-            if offset > info.max:
-                return StoredTensor(dense)
             codes = (flat - offset).to(_WIDE_CODE_DTYPES[width])
         else:
-            offset = low
             # Conversion to uint8 keeps a value mod 256 (C++ defines that for unsigned targets)
             # and so does uint8 subtraction: the code is value - low, which is below 256.
             codes = flat.to(torch.uint8) - low % 256
