@@ -390,8 +390,10 @@ class ActivationCapture:
     def watch_ops(self, on: bool) -> None:
         """Whether the op tracker sees the torch functions called from now on. The capture
         turns it off itself while a compiled module runs (``torch.compile(module)``,
-        ``module.compile()``), and on again inside the modules such a module runs eagerly
-        at a graph break; a caller whose whole step runs compiled code, with no module call
+        ``module.compile()``), and on again inside a module such a module calls eagerly
+        (from a function compile is disabled for: Dynamo compiles the frames a graph break
+        leaves, module calls and their hooks included); a caller whose whole step runs
+        compiled code, with no module call
         around it (Lightning's compiled ``training_step``), turns it off after :meth:`start`.
         Off, a save made eagerly outside any module is decided without its op (at the
         floor for saves outside any op): still correct."""
@@ -778,8 +780,8 @@ class _SharedModuleHooks:
     compiled graph's saves are attributed by the modules recorded in the graph instead.
 
     They also turn the captures' op trackers off while a compiled module runs and on again
-    inside any module it runs eagerly (at a graph break), each restored when the module
-    returns (see :meth:`ActivationCapture.watch_ops`).
+    inside any module it calls eagerly, each restored when the module returns (see
+    :meth:`ActivationCapture.watch_ops`).
     """
 
     capturing: list[ActivationCapture] = []
