@@ -298,7 +298,7 @@ def _unpack_saved(
 ) -> torch.Tensor:
     """The tensor :func:`_pack_saved` stored, with the sizes and strides it had."""
     with torch._C.DisableTorchFunction():
-        kept = _KEPT_INPUTS.get(parts[0])
+        kept = _KEPT_INPUTS.get(parts[0]) if _KEPT_INPUTS else None  # no weak reference made per unpack
         if kept is not None:
             return kept
         ops.ensure_kernels(parts[0].device)
