@@ -182,7 +182,7 @@ class ActCompression(Callback):
         if stage != "fit":
             return
         self.capture = ActivationCapture(self.config, pl_module, self.policy)
-        self.capture.group_orders.axis.update(self._restored_group_axes)
+        self.capture.group_orders.restore(self._restored_group_axes)
         self._step_peak = StepPeakMemory(trainer.strategy.root_device)
         ensure_kernels(trainer.strategy.root_device)
 
@@ -411,7 +411,7 @@ class ActCompression(Callback):
             self.policy.load_state_dict(state_dict["policy"])
         self._restored_group_axes = dict(state_dict.get("group_axes", {}))
         if self.capture is not None:
-            self.capture.group_orders.axis.update(self._restored_group_axes)
+            self.capture.group_orders.restore(self._restored_group_axes)
 
 
 def _leading_rows(batch: Any, rows: int) -> Any:

@@ -529,6 +529,69 @@ def test_graph_and_eager_saves_of_one_step_draw_different_noise():
     assert not eager & {SeedStream.next() for _ in range(1000)}
 
 
+def graph_op_calls(run_step) -> dict[str, int]:
+    """How often each of the library's graph ops ran in ``run_step()`` (the profiler sees
+    every op the dispatcher calls, those called from C++ too)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        run_step()
+    names = ("pack_saved", "unpack_saved", "pack_saved_python", "unpack_saved_python")
+    calls = dict.fromkeys(names, 0)
+    for event in profile.events():
+        name = event.name.removeprefix("lightning_act::")
+        if name in calls:
+            calls[name] += 1
+    return calls
+
+
+@pytest.mark.parametrize("group_order", ["auto", "memory"])
+def test_the_graph_ops_c_side_packs_as_python_does_with_no_python_after_the_first_steps(group_order):
+    """Once Python has packed a plan (and its survey has decided the group axis), the graph
+    ops' C++ side packs and unpacks it alone: the same codes (the same gradient, bit for
+    bit) and the same report as Python serving every call, from the same seed stream."""
+    from lightning_act import ops
+    from lightning_act.capture.compiled import NativeSaves
+
+    ops.ensure_kernels("cpu")
+    if not ops.loaded_kernels()["cpu"]:
+        pytest.skip("the CPU kernels did not build")
+    x, y = torch.randn(4, 16, 32), torch.randint(0, 10, (4,))
+
+    def train(native: bool):
+        NativeSaves.enabled = native
+        torch._dynamo.reset()
+        model = seeded(AttentionBlock).eval()  # no dropout: the graph's only noise is the library's
+        run = torch.compile(model, backend="inductor")
+        capture = ActivationCapture(CompressionConfig(bits=2, group_order=group_order), model)
+        results = []
+
+        def one_step(seed):
+            model.zero_grad()
+            with capture.capturing(inputs=x, seed=seed):
+                loss = F.cross_entropy(run(x), y)
+            loss.backward()
+            report = capture.report
+            results.append((grads_of(model), dict(report.counts), report.saved_bytes, report.stored_bytes,
+                            {name: m.tensors for name, m in report.modules.items()}))
+
+        for seed in (1, 2):
+            one_step(seed)
+        return results, graph_op_calls(lambda: one_step(3))
+
+    try:
+        python, python_calls = train(native=False)
+        native, native_calls = train(native=True)
+    finally:
+        NativeSaves.enabled = True
+    for (grads, *report), (expected_grads, *expected_report) in zip(native, python):
+        assert torch.equal(grads, expected_grads)
+        assert report == expected_report
+    packed = native_calls["pack_saved"]
+    assert python_calls["pack_saved_python"] == python_calls["pack_saved"] == packed
+    assert packed >= 6 and native_calls["unpack_saved"] == python_calls["unpack_saved"]
+    # What the C++ side leaves to Python: the masks and derivative saves, nothing quantized.
+    assert native_calls["pack_saved_python"] < packed / 2, native_calls
+
+
 class AttentionBlock(nn.Module):
     """Attention written out, with dropout on its probabilities (min-cut then saves the
     scores and recomputes the softmax from them), and a GELU MLP on 3-d activations

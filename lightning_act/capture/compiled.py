@@ -21,7 +21,7 @@ policy changes). Per saved node, at compile time:
   from torch's AOT autograd cache in a new process still runs.
 
 At run time no hook runs: ``lightning_act::pack_saved`` and ``lightning_act::unpack_saved``
-are graph ops. Pack quantizes with a fresh seed every call, from the library's own stream
+are graph ops, whose common case runs in C++ (:class:`NativeSaves`). Pack quantizes with a fresh seed every call, from the library's own stream
 (never torch's generator), and counts what it stored in the capturing session's report;
 unpack returns a tensor with exactly the sizes and strides the graph recorded (inductor
 asserts them). Boolean masks are packed 8 to a byte. A tensor kept exact is handed back to
@@ -58,7 +58,7 @@ from lightning_act.policy import SlotInfo
 if TYPE_CHECKING:
     from lightning_act.capture.engine import ActivationCapture
 
-__all__ = ["COMPILED_REGION", "CheaperSaves", "GraphHooks", "GraphPlan", "PackedSave", "SeedStream"]
+__all__ = ["COMPILED_REGION", "CheaperSaves", "GraphHooks", "GraphPlan", "NativeSaves", "PackedSave", "SeedStream"]
 
 #: Module name of saves with no ``nn_module_stack`` (functional code in a compiled region).
 COMPILED_REGION = "(compiled)"
@@ -148,7 +148,8 @@ _GRAPH_STREAM = 0x6A09E667F3BCC909  # any constant that differs from the eager s
 class SeedStream:
     """The rounding seeds of compiled graphs: a counter mixed with the session's seed, so
     each call packs with fresh noise without a seed baked into the graph or a draw from
-    torch's generator (which would shift the user's random stream)."""
+    torch's generator (which would shift the user's random stream). Once the graph ops' C++
+    side is loaded (:class:`NativeSaves`), the counter lives there: it packs without Python."""
 
     base = 0
     count = 0
@@ -160,11 +161,20 @@ class SeedStream:
         # of the same step (correlated errors, a bias where backward multiplies the two).
         engine = _engine()
         cls.base, cls.count = engine.splitmix64(seed ^ _GRAPH_STREAM), 0
+        if NativeSaves.loaded():
+            torch.ops.lightning_act.graph_native_seeds(_signed64(cls.base), 0)
 
     @classmethod
     def next(cls) -> int:
+        if NativeSaves.loaded():
+            return torch.ops.lightning_act.graph_native_next_seed()
         cls.count += 1
         return _engine().splitmix64(cls.base + cls.count) >> 1
+
+
+def _signed64(value: int) -> int:
+    """A 64-bit unsigned value as the int64 an op argument holds (the same bits)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 # --------------------------------------------------------------------------- the graph ops
@@ -238,6 +248,12 @@ _LIBRARY = torch.library.Library("lightning_act", "FRAGMENT")
 _LIBRARY.define("pack_saved(Tensor input, str plan) -> Tensor[]",
                 tags=(torch.Tag.nondeterministic_seeded, torch.Tag.cudagraph_unsafe))
 _LIBRARY.define("unpack_saved(Tensor[] parts, SymInt[] size, SymInt[] stride, ScalarType dtype, str plan) -> Tensor")
+# The same kernels under names of their own: the C++ side (csrc/graph_saves.cpp) serves the
+# two ops above on CPU and CUDA and calls these for every case it leaves to Python.
+_LIBRARY.define("pack_saved_python(Tensor input, str plan) -> Tensor[]")
+_LIBRARY.define(
+    "unpack_saved_python(Tensor[] parts, SymInt[] size, SymInt[] stride, ScalarType dtype, str plan) -> Tensor"
+)
 
 
 # The parts of a graph input the step keeps alive anyway (its batch), each mapped to that
@@ -246,6 +262,7 @@ _KEPT_INPUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 @torch.library.impl(_LIBRARY, "pack_saved", "CompositeExplicitAutograd")
+@torch.library.impl(_LIBRARY, "pack_saved_python", "CompositeExplicitAutograd")
 def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
     """Store a tensor a compiled forward saves, as ``plan`` says; fresh noise each call.
 
@@ -261,6 +278,7 @@ def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
             parts = [torch.empty_like(p, device=input.device) if p.is_meta else p
                      for p in _encode(input.detach().to("meta"), parsed, 0)]
             _KEPT_INPUTS[parts[0]] = input.detach()
+            NativeSaves.kept(parts[0])
             capture.account_compiled(plan, input, parts, kept_alive=True)
             return parts
         # The slot's group axis, or None (memory order) while its survey runs (first step).
@@ -268,6 +286,7 @@ def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
         parts = _encode(input, parsed, SeedStream.next(), axis)
         if capture is not None:
             capture.account_compiled(plan, input, parts)
+            NativeSaves.learn(plan, input, parts, capture)
         return parts
 
 
@@ -293,6 +312,7 @@ def _decode(parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int
 
 
 @torch.library.impl(_LIBRARY, "unpack_saved", "CompositeExplicitAutograd")
+@torch.library.impl(_LIBRARY, "unpack_saved_python", "CompositeExplicitAutograd")
 def _unpack_saved(
     parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int], dtype: torch.dtype, plan: str
 ) -> torch.Tensor:
@@ -308,6 +328,102 @@ def _unpack_saved(
 @torch.library.register_fake("lightning_act::unpack_saved", lib=_LIBRARY)
 def _unpack_saved_fake(parts, size, stride, dtype, plan) -> torch.Tensor:
     return torch.empty_strided(size, stride, dtype=dtype, device=parts[0].device)
+
+
+class NativeSaves:
+    """The C++ side of the graph ops (``csrc/graph_saves.cpp``, built with the CPU kernels):
+    it packs and unpacks the saves whose plan Python has handled once, with no Python per
+    saved tensor, and counts them for the report.
+
+    What it needs from Python, Python hands it: each plan it may pack alone (quantized, in
+    memory order or along its decided group axis) and decode alone (quantized), the capture
+    capturing now (its kept-alive storages and the token of its group axes), the seed stream,
+    the unwritten parts of handed-back inputs. At every change of the capture capturing now
+    (start, stop, pause, resume) what it counted is added to the report of the capture it
+    counted for. Without the CPU kernels (``LIGHTNING_ACT_KERNELS=reference``, a failed
+    build) Python serves every call, the same bits, slower.
+    """
+
+    #: Off: Python serves every call (to compare the two, and while diagnosing).
+    enabled = True
+    _loaded = False
+    #: The capture the C++ side counts for now.
+    owner: ActivationCapture | None = None
+    #: By packer id: what one call of that plan at that size adds to the report.
+    _entries: list[PackedSave] = []
+    _learned: dict[tuple[str, int, int], int] = {}
+    _decoders: set[str] = set()
+
+    @classmethod
+    def loaded(cls) -> bool:
+        """Whether the C++ side is registered (with the CPU kernels); hands it the seed
+        stream the moment it is."""
+        if not cls._loaded and ops.loaded_kernels()["cpu"] and hasattr(torch.ops.lightning_act, "graph_native_seeds"):
+            cls._loaded = True
+            torch.ops.lightning_act.graph_native_seeds(_signed64(SeedStream.base), SeedStream.count)
+        return cls._loaded
+
+    @classmethod
+    def follow(cls, capture: ActivationCapture | None) -> None:
+        """Count for ``capture`` (the one capturing now, None when none is) from now on."""
+        if not cls.loaded():
+            return
+        native = torch.ops.lightning_act
+        if cls.owner is not None:
+            counts, stats, stat_ids = native.graph_native_drain()
+            stats_of: dict[int, list[torch.Tensor]] = {}
+            for packer, part in zip(stat_ids, stats):
+                stats_of.setdefault(packer, []).append(part)
+            for packer, count in zip(counts[::2], counts[1::2]):
+                cls.owner.account_packed(cls._entries[packer], count, stats_of.get(packer, []))
+        cls.owner = capture if cls.enabled else None
+        if cls.owner is None:
+            native.graph_native_session(False, 0, [])
+        else:
+            native.graph_native_session(True, capture.group_orders.token, capture.external_storages())
+
+    @classmethod
+    def external(cls, capture: ActivationCapture, storage: int) -> None:
+        if cls.owner is capture:
+            torch.ops.lightning_act.graph_native_external(storage)
+
+    @classmethod
+    def kept(cls, part: torch.Tensor) -> None:
+        if cls.loaded():
+            torch.ops.lightning_act.graph_native_kept(part)
+
+    @classmethod
+    def learn(cls, plan: str, t: torch.Tensor, parts: list[torch.Tensor], capture: ActivationCapture) -> None:
+        """After Python packed ``t`` by ``plan`` for ``capture``: register what the C++ side
+        can do alone from now on."""
+        if cls.owner is not capture:
+            return
+        parsed = _parse(plan)
+        if parsed.form == "quant" and plan not in cls._decoders:
+            cls._decoders.add(plan)
+            torch.ops.lightning_act.graph_native_decoder(plan, parsed.bits, parsed.group_size, parsed.survey is not None)
+        if parsed.form not in ("quant", "derivative"):
+            return
+        axis = None
+        if parsed.survey is not None:
+            orders = capture.group_orders
+            if parsed.survey in orders.axis:
+                axis = orders.axis[parsed.survey]
+            elif candidate_axes(t, parsed.group_size):
+                return  # its survey runs: decided when the session stops
+        token = capture.group_orders.token
+        key = (plan, t.numel(), token)
+        if key in cls._learned:
+            return
+        if len(cls._entries) >= _PACKED_SAVES_KEPT:  # new sizes at every step: dynamic shapes
+            cls.follow(cls.owner)  # what was counted under the old ids first
+            torch.ops.lightning_act.graph_native_forget_packers()
+            cls._entries, cls._learned = [], {}
+        cls._learned[key] = packer = len(cls._entries)
+        cls._entries.append(PackedSave.of(plan, t, parts))
+        torch.ops.lightning_act.graph_native_packer(
+            plan, packer, parsed.bits, parsed.group_size, -1 if axis is None else axis, parsed.survey is not None,
+            t.numel(), token)
 
 
 # --------------------------------------------------------------------------- the hook pair
@@ -415,6 +531,7 @@ class GraphHooks:
         """The plan of the node torch is inlining the pack hook for (planned per graph)."""
         capture.compiling()
         UnpackWhereRead.install()
+        ops.ensure_kernels("cpu")  # the graph ops' C++ side comes with the CPU kernels
         forward = context["_fw_graph"]
         plans = self._plans.get(forward)
         if plans is None:

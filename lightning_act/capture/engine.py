@@ -36,7 +36,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lightning_act import backward_reads
 from lightning_act.capture import compiled as compiled_module
 from lightning_act.capture import decide as decide_module
-from lightning_act.capture.compiled import COMPILED_REGION, CheaperSaves, GraphHooks, PackedSave, SeedStream
+from lightning_act.capture.compiled import (
+    COMPILED_REGION,
+    CheaperSaves,
+    GraphHooks,
+    NativeSaves,
+    PackedSave,
+    SeedStream,
+)
 from lightning_act.capture.decide import Decision, Kind, decide
 from lightning_act.capture.group_order import GroupOrders
 from lightning_act.capture.records import (
@@ -242,6 +249,7 @@ class ActivationCapture:
         _SharedModuleHooks.capturing.append(self)
         self._tracker.watch(True)
         SeedStream.restart(seed)
+        NativeSaves.follow(self)
         # Graph inputs are hooked too (an activation an earlier graph passed on at a graph
         # break), parameters and buffers not: see GraphPlan.
         self._filtering = functorch_config.saved_tensors_hooks_filtering_mode
@@ -266,6 +274,7 @@ class ActivationCapture:
             _SharedModuleHooks.capturing.remove(self)
             _SharedModuleHooks.forget_switches()
             self._stack.clear()
+            NativeSaves.follow(capturing_now())
         functorch_config.saved_tensors_hooks_filtering_mode = self._filtering
         if self._layout_optimization is not None:
             sys.modules["torch._inductor.config"].layout_optimization = self._layout_optimization
@@ -315,6 +324,10 @@ class ActivationCapture:
         self._layout_optimization = config.layout_optimization
         config.layout_optimization = False
 
+    def external_storages(self) -> list[int]:
+        """The storages (data pointers) marked as alive for the whole step."""
+        return list(self._external)
+
     def keeps_alive(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s storage stays alive for the whole step anyway (the batch, buffers)."""
         return self._live(self._external, t.untyped_storage().data_ptr())
@@ -322,41 +335,49 @@ class ActivationCapture:
     def account_compiled(self, plan: str, t: torch.Tensor, parts: list[torch.Tensor], kept_alive: bool = False
                          ) -> None:
         """Add a tensor a compiled graph packed (and the kept saves its plan carries) to the
-        report; ``kept_alive``: one it kept as it is instead (see :meth:`keeps_alive`).
-
-        Runs once per packed tensor per step, so what depends only on the plan and the size
-        (bytes, slot, the per-module labels) is worked out once per process and reused."""
+        report; ``kept_alive``: one it kept as it is instead (see :meth:`keeps_alive`)."""
         save = PackedSave.of(plan, t, parts)
-        for module, nbytes, outcome in save.kept:
-            self._add_to_report(module, outcome, None, nbytes, nbytes)
         if kept_alive:
+            for module, nbytes, outcome in save.kept:
+                self._add_to_report(module, outcome, None, nbytes, nbytes)
             self._count_uncounted(Outcome.EXTERNAL)
             return
+        self.account_packed(save, 1, [parts[1]] if save.slot_memory is not None else [])
+
+    def account_packed(self, save: PackedSave, count: int, stats: list[torch.Tensor]) -> None:
+        """Add ``count`` calls of one packed save to the report, with the stats of those
+        quantized. Runs per packed tensor per step, or once per plan for what the graph ops'
+        C++ side packed, so what depends only on the plan and the size (bytes, slot, the
+        per-module labels) is worked out once per process (:class:`PackedSave`) and reused."""
+        for module, nbytes, outcome in save.kept:
+            self._add_to_report(module, outcome, None, nbytes, nbytes, count)
         parsed = save.plan
-        memory = self._add_to_report(parsed.module, save.outcome, parsed.op, save.saved, save.stored)
+        memory = self._add_to_report(parsed.module, save.outcome, parsed.op, save.saved, save.stored, count)
         memory.codecs.add(save.codec)
         if save.slot_memory is not None:
-            memory.compressed += 1
+            memory.compressed += count
             memory.bits.add(parsed.bits)
-            stats = parts[1]
-            self._stats.append(stats)
+            self._stats.extend(stats)
             if parsed.slot not in self.slots:  # a graph from torch's cache: planned in another process
                 self.slots[parsed.slot] = save.slot_info
             self.report.slots[parsed.slot] = save.slot_memory
             if self.estimator is not None:
-                self.estimator.observe_stats(parsed.slot, parsed.module, stats, parsed.bits, parsed.group_size)
+                for group_stats in stats:
+                    self.estimator.observe_stats(parsed.slot, parsed.module, group_stats, parsed.bits,
+                                                 parsed.group_size)
 
-    def _add_to_report(self, module: str, outcome: Outcome, op: str | None, saved: int, stored: int) -> ModuleMemory:
+    def _add_to_report(self, module: str, outcome: Outcome, op: str | None, saved: int, stored: int,
+                       count: int = 1) -> ModuleMemory:
         report = self.report
-        report.counts[outcome.value] = report.counts.get(outcome.value, 0) + 1
+        report.counts[outcome.value] = report.counts.get(outcome.value, 0) + count
         memory = report.modules.get(module)
         if memory is None:
             memory = report.modules[module] = ModuleMemory()
-        memory.note(outcome, op)
-        report.saved_bytes += saved
-        memory.saved_bytes += saved
-        report.stored_bytes += stored
-        memory.stored_bytes += stored
+        memory.note(outcome, op, count)
+        report.saved_bytes += saved * count
+        memory.saved_bytes += saved * count
+        report.stored_bytes += stored * count
+        memory.stored_bytes += stored * count
         return memory
 
     def _release_records(self) -> None:
@@ -380,12 +401,15 @@ class ActivationCapture:
             self._watched = self._tracker.watching
         self._paused = True
         self._tracker.watch(False)
+        NativeSaves.follow(capturing_now())
         self._release_records()
 
     def resume(self) -> None:
         if self._paused:
             self._tracker.watch(self._active and self._watched)
         self._paused = False
+        if self._active:
+            NativeSaves.follow(capturing_now())
 
     def watch_ops(self, on: bool) -> None:
         """Whether the op tracker sees the torch functions called from now on. The capture
@@ -487,7 +511,9 @@ class ActivationCapture:
         """Declare tensors alive for the whole step: they are saved as they are, uncounted."""
         if isinstance(obj, torch.Tensor):
             ptr, ref = storage_key(obj)
-            self._external[ptr] = ref
+            if ptr not in self._external:
+                self._external[ptr] = ref
+                NativeSaves.external(self, ptr)
         elif isinstance(obj, dict):
             for value in obj.values():
                 self.mark_external(value)

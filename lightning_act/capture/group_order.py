@@ -28,6 +28,7 @@ shares them. ``CompressionConfig(group_order="memory")`` turns the survey off.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -66,9 +67,13 @@ class GroupOrders:
     """The group axis of each slot of one model at one group size, decided by surveys."""
 
     _of_model: weakref.WeakKeyDictionary[nn.Module, dict[int, GroupOrders]] = weakref.WeakKeyDictionary()
+    _tokens = itertools.count(1)
 
     def __init__(self, group_size: int):
         self.group_size = group_size
+        #: Names these decisions in this process, anew whenever decisions are replaced: the
+        #: compiled graph ops' C++ side keeps the axes it was told under it.
+        self.token = next(self._tokens)
         #: slot -> the axis its groups run along; None: the last (memory order).
         self.axis: dict[str, int | None] = {}
         # slot -> (candidate axes, energies: memory order's first, then each candidate's)
@@ -93,6 +98,11 @@ class GroupOrders:
                 energies += [range_energy(along(dense, axis), self.group_size) for axis in axes]
                 self._surveys[slot] = (axes, torch.stack(energies))
         return None
+
+    def restore(self, axes: dict[str, int | None]) -> None:
+        """Take over decisions made before (a resumed run's checkpoint)."""
+        self.axis.update(axes)
+        self.token = next(self._tokens)
 
     def settle(self) -> None:
         """Decide every surveyed slot (one host transfer for all of them)."""

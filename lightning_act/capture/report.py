@@ -78,10 +78,10 @@ class ModuleMemory:
     #: How many of its tensors had each :class:`Outcome` (by its value).
     outcomes: dict[str, int] = field(default_factory=dict)
 
-    def note(self, outcome: Outcome, op: str | None) -> None:
-        """Count one more tensor saved by ``op`` in this module, and what became of it."""
-        self.tensors += 1
-        self.outcomes[outcome.value] = self.outcomes.get(outcome.value, 0) + 1
+    def note(self, outcome: Outcome, op: str | None, count: int = 1) -> None:
+        """Count ``count`` more tensors saved by ``op`` in this module, and what became of them."""
+        self.tensors += count
+        self.outcomes[outcome.value] = self.outcomes.get(outcome.value, 0) + count
         if op is not None:
             self.ops.add(op)
 
