@@ -511,9 +511,8 @@ class ActivationCapture:
         """Declare tensors alive for the whole step: they are saved as they are, uncounted."""
         if isinstance(obj, torch.Tensor):
             ptr, ref = storage_key(obj)
-            if ptr not in self._external:
-                self._external[ptr] = ref
-                NativeSaves.external(self, ptr)
+            self._external[ptr] = ref
+            NativeSaves.external(self, ptr)
         elif isinstance(obj, dict):
             for value in obj.values():
                 self.mark_external(value)
