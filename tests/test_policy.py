@@ -265,10 +265,15 @@ def test_update_weights_follow_each_optimizer_step():
         assert scaled[slot][2] == pytest.approx(4 * table[2], rel=1e-5)
 
 
-def test_probe_blends_the_gradient_and_update_norms_at_equal_footing():
+@pytest.mark.parametrize("method", ["per_tensor", "linearized"])
+def test_probe_blends_the_gradient_and_update_norms_at_equal_footing(method):
     # Weights that favour the first layer's parameters 1000-fold: the update norm then ranks
     # the slots differently from the gradient norm, and the blend is their mix, the
-    # gradient's term rescaled so that uniform 2 bits scores the same in both.
+    # gradient's term rescaled so that uniform 2 bits scores the same in both. A backward
+    # per tensor measures each norm exactly; the linearized probes estimate the blend
+    # (its scale from one backward of sign-mixed errors, one set of directions for both
+    # norms), so they match within their directional spread.
+    torch.manual_seed(0)
     model = Net()
     x = torch.randn(32, 64)
     params = list(model.parameters())
@@ -276,16 +281,18 @@ def test_probe_blends_the_gradient_and_update_norms_at_equal_footing():
 
     def probe(**kwargs):
         capture = ActivationCapture(CompressionConfig(min_numel=256), model)
-        return probe_sensitivities(capture, lambda: model(x).square().mean(), params, inputs=x, **kwargs)
+        return probe_sensitivities(capture, lambda: model(x).square().mean(), params, inputs=x, method=method,
+                                   directions=512, **kwargs)
 
     gradient, update = probe(), probe(weights=weights, update_share=1.0)
     blend = probe(weights=weights, update_share=0.25)
     assert len(gradient) >= 2
     scale = sum(t[2] for t in update.values()) / sum(t[2] for t in gradient.values())
     assert scale > 1.0
+    tolerance = 1e-5 if method == "per_tensor" else 0.25
     for slot in gradient:
         for bits in (1, 2, 4, 8):
             expected = 0.75 * scale * gradient[slot][bits] + 0.25 * update[slot][bits]
-            assert blend[slot][bits] == pytest.approx(expected, rel=1e-5)
+            assert blend[slot][bits] == pytest.approx(expected, rel=tolerance)
     with pytest.raises(ValueError, match="update_share=1.5"):
         probe(weights=weights, update_share=1.5)

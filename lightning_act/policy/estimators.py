@@ -29,7 +29,7 @@ import torch
 
 from lightning_act.ops.validation import SUPPORTED_BITS
 from lightning_act.policy.allocation import quantization_variance
-from lightning_act.policy.linearized import ForwardRecorder, LinearizedProbe, Mismatch
+from lightning_act.policy.linearized import ForwardRecorder, LinearizedProbe, Mismatch, norm_energies
 
 
 def _levels_variance(bits: int, zero_preserving_fraction: float) -> float:
@@ -152,7 +152,8 @@ def probe_sensitivities(
             the backward nodes that read it, and upstream by directional derivatives
             (:mod:`lightning_act.policy.linearized`); ``"per_tensor"``, GACT's own: one
             backward through the whole model per tensor.
-        directions: the linearized method's random directions per norm (one forward each).
+        directions: the linearized method's random directions (one forward each), shared by
+            both norms.
 
     Returns:
         ``v_i(b)`` per slot for every supported bit width, in the update's units when
@@ -184,56 +185,80 @@ def probe_sensitivities(
         noise = dict(zip(probe.slots, probe.rounding_energies(SUPPORTED_BITS).tolist()))
         probed = {slot: width for slot in probe.slots
                   if (width := _probe_width(floors[slot], noise[slot])) is not None}  # else exact at every width
-        measured: dict[str, list[float]] = {}
         if method == "linearized":
             linearized = LinearizedProbe(probe, recorder, loss, params, norms)
             exact = linearized.exact
             for slot, width in probed.items():
                 linearized.add(slot, width)
+            whole = [slot for slot in probed if slot in linearized.unrouted]
+        else:
+            exact = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+            whole = list(probed)
+        # Per slot: what its rounding at the probed width adds, per norm (``measured``) or
+        # already blended (``blended``).
+        measured = _measure_whole(probe, loss, params, exact, norms, {slot: probed[slot] for slot in whole})
+        blended: dict[str, float] = {}
+        # Energy of each slot's noise at its reference width (2 bits or its floor), relative
+        # to the probed width's: the blend weighs the norms at uniform reference widths.
+        reference = {slot: max(2, floor) for slot, floor in floors.items()}
+        to_reference = {slot: noise[slot][SUPPORTED_BITS.index(reference[slot])] / noise[slot][SUPPORTED_BITS.index(width)]
+                        for slot, width in probed.items()}
+        if method == "linearized":
+            routed = [slot for slot in probed if slot not in linearized.unrouted]
+            local = dict(zip(routed, torch.stack([linearized.local[slot] for slot in routed]).tolist())) if routed else {}
+            totals = [sum(to_reference[slot] * values[j] for slot, values in (local | measured).items())
+                      for j in range(len(norms))]
+            if len(norms) > 1:
+                totals = [a + b for a, b in zip(totals, linearized.upstream_totals(to_reference).tolist())]
+            coefficients = _blend_coefficients(totals, update_share)
 
             def forward():
                 torch.manual_seed(seed)
                 return loss_fn()
 
+            weights_blended = [sum(c * (1.0 if norm is None or norm[i] is None else norm[i])
+                                   for c, norm in zip(coefficients, norms)) for i in range(len(params))]
             try:
-                upstream = linearized.upstream(forward, directions)
-            except Mismatch:
-                upstream = None  # the forward is not repeatable: probe every tensor whole
-            if upstream is not None and linearized.local:
-                zero = [0.0] * len(norms)
-                routed = [slot for slot in probed if slot not in linearized.unrouted]
-                local_errors = torch.stack([linearized.local[slot] for slot in routed]).tolist()  # one transfer
-                for slot, local in zip(routed, local_errors):
-                    measured[slot] = [a + b for a, b in zip(local, upstream.get(slot, zero))]
+                upstream = linearized.upstream(forward, directions, weights_blended)
+            except Mismatch:  # the forward is not repeatable: probe every tensor whole
+                measured |= _measure_whole(probe, loss, params, exact, norms, {slot: probed[slot] for slot in routed})
+            else:
+                for slot, values in local.items():
+                    blended[slot] = sum(c * v for c, v in zip(coefficients, values)) + upstream.get(slot, 0.0)
             del linearized
-        else:
-            exact = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-        for slot, width in probed.items():
-            if slot not in measured:
-                probe.quantize_only(slot, width)
-                noisy = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-                measured[slot] = _error_energies(noisy, exact, norms).tolist()
+        if not blended:  # every slot measured whole: the blend's scale from exact totals
+            coefficients = _blend_coefficients([sum(to_reference[slot] * values[j] for slot, values in measured.items())
+                                                for j in range(len(norms))], update_share)
+        for slot, values in measured.items():
+            blended[slot] = sum(c * v for c, v in zip(coefficients, values))
         probe.quantize_only(None, 0)
         del loss
-    tables = [{slot: dict.fromkeys(SUPPORTED_BITS, 0.0) for slot in probe.slots} for _ in norms]
+    tables = {slot: dict.fromkeys(SUPPORTED_BITS, 0.0) for slot in probe.slots}
     for slot, width in probed.items():
         energy = dict(zip(SUPPORTED_BITS, noise[slot]))
-        for table, value in zip(tables, measured[slot]):
-            table[slot] = {bits: value * energy[bits] / energy[width] for bits in SUPPORTED_BITS}
-    if weights is None:
-        return tables[0]
-    gradient, update = tables
-    reference = {slot: max(2, floor) for slot, floor in floors.items()}
-    gradient_total = sum(gradient[slot][bits] for slot, bits in reference.items())
-    update_total = sum(update[slot][bits] for slot, bits in reference.items())
+        tables[slot] = {bits: blended[slot] * energy[bits] / energy[width] for bits in SUPPORTED_BITS}
+    return tables
+
+
+def _blend_coefficients(totals: list[float], update_share: float) -> list[float]:
+    """The blend's factor on each norm (the raw gradient's, then the update's): the
+    gradient's term rescaled so that uniform reference widths score the same in both."""
+    if len(totals) == 1:
+        return [1.0]
+    gradient_total, update_total = totals
     scale = update_total / gradient_total if gradient_total > 0.0 else 0.0
-    return {
-        slot: {
-            bits: (1.0 - update_share) * scale * gradient[slot][bits] + update_share * update[slot][bits]
-            for bits in SUPPORTED_BITS
-        }
-        for slot in probe.slots
-    }
+    return [(1.0 - update_share) * scale, update_share]
+
+
+def _measure_whole(probe, loss: torch.Tensor, params, exact, norms: list, widths: dict[str, int]) -> dict[str, list[float]]:
+    """Per slot, per norm: the error of a whole backward with only that slot rounded."""
+    measured = {}
+    for slot, width in widths.items():
+        probe.quantize_only(slot, width)
+        noisy = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        measured[slot] = _error_energies(noisy, exact, norms).tolist()
+    probe.quantize_only(None, 0)
+    return measured
 
 
 def _probe_width(floor: int, noise: Sequence[float]) -> int | None:
@@ -246,15 +271,8 @@ def _probe_width(floor: int, noise: Sequence[float]) -> int | None:
 
 
 def _error_energies(noisy, exact, norms: list[list | None]) -> torch.Tensor:
-    """Per norm, the summed squared gradient error: plain (None), or each parameter's
-    weighted by its update weight. One parameter's error at a time, so the probe's peak
-    memory is one extra parameter, not a copy of the gradient."""
-    totals: list[torch.Tensor | float] = [0.0] * len(norms)
-    for i, (n, e) in enumerate(zip(noisy, exact)):
-        if n is None or e is None:  # a parameter the loss does not reach
-            continue
-        error = (n - e).float().square()
-        for j, norm in enumerate(norms):
-            weight = None if norm is None else norm[i]
-            totals[j] = totals[j] + (error if weight is None else error * weight).sum()
-    return torch.stack([torch.as_tensor(total) for total in totals])
+    """Per norm, the summed squared gradient error between two backward passes. One
+    parameter's error at a time, so the probe's peak memory is one extra parameter, not a
+    copy of the gradient."""
+    errors = ((i, (n - e).float()) for i, (n, e) in enumerate(zip(noisy, exact)) if n is not None and e is not None)
+    return norm_energies(errors, norms, exact[0].device if exact else torch.device("cpu"))

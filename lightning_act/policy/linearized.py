@@ -21,8 +21,16 @@ quantity, per tensor, comes from passes whose number does not depend on the mode
    error in the norm that ``W`` weighs (the identity for the raw gradient, the optimizer's
    ``(lr / denominator)**2`` for its update).
 
+With two norms (the raw gradient's and the optimizer update's, blended by the estimator
+at a scale that makes uniform 2 bits score the same in both), one set of directions
+serves both: ``z ~ N(0, a I + b W)`` estimates the blend ``a ||J d||**2 + b ||J d||_W**2``
+at once. The scale comes first, from the totals over every tensor, which one backward
+gives: the errors of all tensors summed with random signs and back-propagated to the
+parameters have, over the signs, the summed energies as their expected energy.
+
 Cost: one forward and one backward on the slice, one call of each reading node per
-tensor (about one more backward in all) and ``directions`` forwards per norm. An error
+tensor (about one more backward in all), one more backward for the scale with two norms,
+and ``directions`` forwards. An error
 whose activation no forward call returned (a value inside a fused C++ op) is followed
 through the nodes between, which are linear in it; a tensor whose error cannot be followed
 to a recorded activation within :data:`MAX_CALLS` node calls is probed by a whole backward
@@ -37,9 +45,11 @@ allocation compares tensors whose sensitivities span orders of magnitude, and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
+from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 
 #: The step of the finite difference, relative to the parameters' norm: small enough that
@@ -108,6 +118,19 @@ class ForwardRecorder(TorchFunctionMode):
 
     def keep_only(self, wanted: set[tuple[int, int]]) -> None:
         self.recorded = {key: value for key, value in self.recorded.items() if key in wanted}
+
+
+def norm_energies(errors: Iterable[tuple[int, torch.Tensor]], norms: list, device: torch.device) -> torch.Tensor:
+    """Per norm, the summed squared error of parameters' gradients, given as ``(parameter
+    index, error)``: plain (a norm of None), or each element weighted by the norm's weight
+    for that parameter (None: plain). A float64 tensor on ``device``, one entry per norm."""
+    totals: list[torch.Tensor | float] = [0.0] * len(norms)
+    for index, error in errors:
+        squared = error.double().square()
+        for j, norm in enumerate(norms):
+            weight = None if norm is None else norm[index]
+            totals[j] = totals[j] + (squared if weight is None else squared * weight).sum()
+    return torch.stack([torch.as_tensor(total, dtype=torch.float64, device=device) for total in totals])
 
 
 def _sum_to(error: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -240,22 +263,39 @@ class LinearizedProbe:
                 entries[:] = [entry for entry in entries if entry[0] != slot]
             return
         # On the device: the caller reads every slot's in one transfer.
-        local = [0.0] * len(self.norms)
-        for index, error in param_errors.items():
-            squared = error.double().square()
-            for j, norm in enumerate(self.norms):
-                weight = None if norm is None else norm[index]
-                local[j] = local[j] + (squared if weight is None else squared * weight).sum()
-        self.local[slot] = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.params[0].device)
-                                        for v in local])
+        self.local[slot] = norm_energies(param_errors.items(), self.norms, self.params[0].device)
 
-    def upstream(self, forward: Callable[[], object], directions: int) -> dict:
-        """Step 3: per slot and norm, the mean over directions of ``<J^T z, d>**2``.
+    def upstream_totals(self, factors: dict[str, float]) -> torch.Tensor:
+        """Per norm, the upstream error energy summed over the routed slots, each slot's
+        errors scaled by ``sqrt(factors[slot])`` (its noise energy at another width
+        relative to the probed one): one backward of the errors summed with random signs,
+        from the recorded activations to the parameters. Over the signs, the cross terms
+        between slots vanish, so the result's expectation is the sum of the slots' own."""
+        generator = torch.Generator().manual_seed(1)
+        slots = sorted({slot for entries in self.errors.values() for slot, _ in entries})
+        signs = dict(zip(slots, (torch.randint(0, 2, (len(slots),), generator=generator) * 2 - 1).tolist()))
+        edges = {key: edge for edge, key in self.recorder.index.items() if key in self.errors}
+        outputs, grad_outputs = [], []
+        for key, entries in self.errors.items():
+            outputs.append(GradientEdge(*edges[key]))
+            grad_outputs.append(sum(signs[slot] * math.sqrt(factors[slot]) * error for slot, error in entries))
+        if not outputs:
+            return torch.zeros(len(self.norms), dtype=torch.float64)
+        back = torch.autograd.grad(outputs, self.params, grad_outputs, retain_graph=True, allow_unused=True)
+        return norm_energies(((i, g) for i, g in enumerate(back) if g is not None), self.norms,
+                             self.params[0].device).cpu()
+
+    def upstream(self, forward: Callable[[], object], directions: int, weights: Sequence) -> dict[str, float]:
+        """Step 3: per slot, the mean over directions ``z ~ N(0, W)`` of ``<J^T z, d>**2``,
+        ``W`` given per parameter by ``weights`` (a tensor of its shape, a float, or None
+        for 1).
 
         The directions are fixed, like the probes' rounding seeds, so that the same model
-        and batch measure the same, and each norm scales the same draws by its weights."""
+        and batch measure the same."""
         self.recorder.keep_only(set(self.errors))
         slots = sorted({slot for entries in self.errors.values() for slot, _ in entries})
+        if not slots:  # every error is local
+            return {}
         position = {slot: k for k, slot in enumerate(slots)}
         # Per activation: its slots' errors as the rows of one matrix, so that one product
         # gives every slot's <J^T z, d> there.
@@ -263,38 +303,43 @@ class LinearizedProbe:
                                torch.stack([error.reshape(-1) for _, error in entries]))
                          for key, entries in self.errors.items()}
         self.errors = {}
-        means = torch.zeros(len(slots), len(self.norms), dtype=torch.float64)
+        means = torch.zeros(len(slots), dtype=torch.float64)
         scale = sum(p.detach().double().square().sum() for p in self.params).sqrt()  # the parameters' norm
-        for j, norm in enumerate(self.norms):
-            generator = torch.Generator().manual_seed(0)
+        deviations = [None if w is None else torch.as_tensor(w, dtype=torch.float32, device=p.device).sqrt()
+                      for p, w in zip(self.params, weights)]
+        generator = torch.Generator().manual_seed(0)
+        saved = [p.detach().clone() for p in self.params]
+        try:
             for _ in range(directions):
-                means[:, j] += self._direction(forward, norm, generator, len(slots), scale).square().cpu() / directions
-        return dict(zip(slots, means.tolist()))
+                means += self._direction(forward, deviations, generator, len(slots), scale, saved).square().cpu()
+        finally:
+            with torch.no_grad():
+                for p, value in zip(self.params, saved):
+                    p.copy_(value)
+        return dict(zip(slots, (means / directions).tolist()))
 
-    def _direction(self, forward, norm, generator: torch.Generator, slots: int, scale: torch.Tensor) -> torch.Tensor:
+    def _direction(self, forward, deviations: list, generator: torch.Generator, slots: int, scale: torch.Tensor,
+                   saved: list[torch.Tensor]) -> torch.Tensor:
+        draws = torch.randn(sum(p.numel() for p in self.params), generator=generator).split(
+            [p.numel() for p in self.params])
         steps = []
-        for i, p in enumerate(self.params):
-            z = torch.randn(p.shape, generator=generator, dtype=torch.float32).to(p.device)
-            weight = None if norm is None else norm[i]
-            steps.append(z if weight is None else z * torch.as_tensor(weight, dtype=torch.float32).sqrt())
+        for p, z, deviation in zip(self.params, draws, deviations):
+            z = z.view(p.shape).to(p.device)
+            steps.append(z if deviation is None else z * deviation)
         length = sum(s.double().square().sum() for s in steps).sqrt()
-        eps = float(RELATIVE_STEP * scale / length) if length > 0 else 0.0
         dots = torch.zeros(slots, dtype=torch.float64, device=self.params[0].device)
+        if length == 0:  # every weight is zero: no error counts
+            return dots
+        eps = float(RELATIVE_STEP * scale / length)
 
         def on_difference(call: int, position: int, difference: torch.Tensor) -> None:
             rows, errors = self._stacked[(call, position)]
             dots.index_add_(0, rows, (errors @ difference.reshape(-1)).double() / eps)
 
-        saved = [p.detach().clone() for p in self.params]
-        try:
-            with torch.no_grad():
-                for p, step in zip(self.params, steps):
-                    p.add_(step.to(p.dtype), alpha=eps)
-            with self.recorder.compare(on_difference):
-                forward()
-            self.recorder.finish()
-        finally:
-            with torch.no_grad():
-                for p, value in zip(self.params, saved):
-                    p.copy_(value)
+        with torch.no_grad():
+            for p, value, step in zip(self.params, saved, steps):
+                p.copy_(value).add_(step.to(p.dtype), alpha=eps)
+        with self.recorder.compare(on_difference):
+            forward()
+        self.recorder.finish()
         return dots
