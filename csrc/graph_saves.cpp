@@ -147,13 +147,13 @@ std::vector<at::Tensor> pack_saved_python(const at::Tensor& input, c10::string_v
   return op.call(input, plan);
 }
 
-at::Tensor unpack_saved_python(at::TensorList parts, at::IntArrayRef size, at::IntArrayRef stride,
+at::Tensor unpack_saved_python(at::TensorList parts, c10::SymIntArrayRef size, c10::SymIntArrayRef stride,
                                at::ScalarType dtype, c10::string_view plan) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("lightning_act::unpack_saved_python", "")
                              .typed<at::Tensor(at::TensorList, c10::SymIntArrayRef, c10::SymIntArrayRef,
                                                at::ScalarType, c10::string_view)>();
-  return op.call(parts, c10::fromIntArrayRefSlow(size), c10::fromIntArrayRefSlow(stride), dtype, plan);
+  return op.call(parts, size, stride, dtype, plan);
 }
 
 std::vector<at::Tensor> pack_saved(const at::Tensor& input, c10::string_view plan) {
@@ -201,8 +201,11 @@ std::vector<at::Tensor> pack_saved(const at::Tensor& input, c10::string_view pla
   return parts;
 }
 
-at::Tensor unpack_saved(at::TensorList parts, at::IntArrayRef size, at::IntArrayRef stride, at::ScalarType dtype,
-                        c10::string_view plan) {
+// Sizes and strides as SymInt lists: a graph's Python wrapper passes them as integer lists,
+// inductor's C++ wrapper (``cpp_wrapper``, AOTInductor) as lists of SymInts; both are
+// concrete when the kernel runs.
+at::Tensor unpack_saved(at::TensorList parts, c10::SymIntArrayRef sym_size, c10::SymIntArrayRef sym_stride,
+                        at::ScalarType dtype, c10::string_view plan) {
   State& s = state();
   Decoder decoder{};
   bool native = false;
@@ -212,7 +215,8 @@ at::Tensor unpack_saved(at::TensorList parts, at::IntArrayRef size, at::IntArray
     native = found != s.decoders.end() && !is_kept_locked(s, parts[0]);
     if (native) decoder = found->second;
   }
-  if (!native) return unpack_saved_python(parts, size, stride, dtype, plan);
+  if (!native) return unpack_saved_python(parts, sym_size, sym_stride, dtype, plan);
+  const at::IntArrayRef size = C10_AS_INTARRAYREF_SLOW(sym_size), stride = C10_AS_INTARRAYREF_SLOW(sym_stride);
   int64_t rows = 0, columns = 0;
   if (decoder.survey) {  // the matrices' shape, on the host
     const int64_t* shape = parts[2].data_ptr<int64_t>();

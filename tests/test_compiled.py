@@ -592,6 +592,35 @@ def test_the_graph_ops_c_side_packs_as_python_does_with_no_python_after_the_firs
     assert native_calls["pack_saved_python"] < packed / 2, native_calls
 
 
+@pytest.mark.slow  # compiles the wrapper's C++: about 30 s
+def test_inductors_cpp_wrapper_calls_the_graph_ops_as_the_python_wrapper_does():
+    """Inductor's C++ wrapper (``cpp_wrapper``, the code AOTInductor runs) calls the graph
+    ops through the boxed dispatcher, with sizes as lists of SymInts: the same gradient, bit
+    for bit, as the Python wrapper from the same seeds."""
+    import torch._inductor.config as inductor_config
+
+    x, y = torch.randn(4, 16, 32), torch.randint(0, 10, (4,))
+
+    def train(cpp_wrapper: bool) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        model = seeded(AttentionBlock).eval()
+        grads = []
+        with inductor_config.patch(cpp_wrapper=cpp_wrapper):
+            run = torch.compile(model, backend="inductor")
+            capture = ActivationCapture(CompressionConfig(bits=2), model)
+            for seed in (1, 2, 3):
+                model.zero_grad()
+                with capture.capturing(inputs=x, seed=seed):
+                    loss = F.cross_entropy(run(x), y)
+                loss.backward()
+                grads.append(grads_of(model))
+        assert capture.report.counts["compressed"] >= 6
+        return grads
+
+    for with_cpp, with_python in zip(train(cpp_wrapper=True), train(cpp_wrapper=False)):
+        assert torch.equal(with_cpp, with_python)
+
+
 class AttentionBlock(nn.Module):
     """Attention written out, with dropout on its probabilities (min-cut then saves the
     scores and recomputes the softmax from them), and a GELU MLP on 3-d activations

@@ -34,6 +34,7 @@ eagerly with no graph: they hand the tensor to the capture's eager path.
 from __future__ import annotations
 
 import ast
+import base64
 import functools
 import math
 import re
@@ -96,8 +97,14 @@ class Plan(NamedTuple):
         return None if self.derivative is None else PointwiseDerivative.from_source(*self.derivative)
 
 
+#: Prefix of a plan written in base64 (see :func:`_encode_plan`).
+_BASE64 = "b64:"
+
+
 @functools.lru_cache(maxsize=None)
 def _parse(plan: str) -> Plan:
+    if plan.startswith(_BASE64):
+        plan = base64.b64decode(plan[len(_BASE64):]).decode()
     return Plan(*ast.literal_eval(plan))
 
 
@@ -976,7 +983,16 @@ class GraphPlan:
 
 
 def _encode_plan(plan: Plan | None) -> str | None:
-    return None if plan is None else repr(tuple(plan))
+    """The plan as the string the graph carries: its tuple's ``repr``, readable in a graph's
+    code, or that in base64 where it holds what a C++ string literal would change (inductor's
+    C++ wrapper writes it into its source unescaped: a backslash, a double quote), or non-ASCII
+    text. A derivative's source code, with its newlines, is always the latter."""
+    if plan is None:
+        return None
+    text = repr(tuple(plan))
+    if "\\" in text or '"' in text or not text.isascii():
+        return _BASE64 + base64.b64encode(text.encode()).decode()
+    return text
 
 
 def _hint(value: Any) -> int:
