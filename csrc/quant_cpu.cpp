@@ -30,6 +30,72 @@ struct InputGroups {
   }
 };
 
+#if defined(LIGHTNING_ACT_AVX2_DISPATCH)
+// The 8 x 8 block at in (rows in_stride apart) written transposed at out (rows out_stride apart).
+LIGHTNING_ACT_TARGET_AVX2 LIGHTNING_ACT_ALWAYS_INLINE void transpose_block_avx2(const float* in, int64_t in_stride,
+                                                                                float* out, int64_t out_stride) {
+  const __m256 r0 = _mm256_loadu_ps(in), r1 = _mm256_loadu_ps(in + in_stride),
+               r2 = _mm256_loadu_ps(in + 2 * in_stride), r3 = _mm256_loadu_ps(in + 3 * in_stride),
+               r4 = _mm256_loadu_ps(in + 4 * in_stride), r5 = _mm256_loadu_ps(in + 5 * in_stride),
+               r6 = _mm256_loadu_ps(in + 6 * in_stride), r7 = _mm256_loadu_ps(in + 7 * in_stride);
+  const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3),
+               t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+               t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+               u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+               u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+               u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  _mm256_storeu_ps(out, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_storeu_ps(out + out_stride, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_storeu_ps(out + 2 * out_stride, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_storeu_ps(out + 3 * out_stride, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_storeu_ps(out + 4 * out_stride, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_storeu_ps(out + 5 * out_stride, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_storeu_ps(out + 6 * out_stride, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_storeu_ps(out + 7 * out_stride, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+LIGHTNING_ACT_TARGET_AVX2 void transpose_avx2(const float* in, int64_t in_stride, float* out, int64_t out_stride,
+                                              int64_t rows, int64_t width) {
+  const int64_t block_rows = rows / 8 * 8, block_width = width / 8 * 8;
+  for (int64_t r = 0; r < block_rows; r += 8) {
+    for (int64_t c = 0; c < block_width; c += 8) {
+      transpose_block_avx2(in + r * in_stride + c, in_stride, out + c * out_stride + r, out_stride);
+    }
+    for (int64_t c = block_width; c < width; ++c) {
+      for (int64_t k = r; k < r + 8; ++k) out[c * out_stride + k] = in[k * in_stride + c];
+    }
+  }
+  for (int64_t r = block_rows; r < rows; ++r) {
+    for (int64_t c = 0; c < width; ++c) out[c * out_stride + r] = in[r * in_stride + c];
+  }
+}
+#endif
+
+// out[c * out_stride + r] = in[r * in_stride + c] for r < rows, c < width: a tile of a
+// row-major matrix into a column-major buffer. Read and written in blocks of 8 x 8 values,
+// whose 8 rows stay in L1 while the block's columns go out as contiguous runs; float to
+// float in AVX2 registers where the CPU has it. (The way back, a column-major tile into
+// the matrix, gains nothing from blocks on this CPU: its scattered row writes, not the
+// loop, set its speed.)
+template <typename From, typename To>
+void transpose(const From* in, int64_t in_stride, To* out, int64_t out_stride, int64_t rows, int64_t width) {
+#if defined(LIGHTNING_ACT_AVX2_DISPATCH)
+  if constexpr (std::is_same_v<From, float> && std::is_same_v<To, float>) {
+    if (cpu_has_avx2()) {
+      transpose_avx2(in, in_stride, out, out_stride, rows, width);
+      return;
+    }
+  }
+#endif
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const int64_t r_end = std::min(rows, r0 + 8);
+    for (int64_t c = 0; c < width; ++c) {
+      for (int64_t r = r0; r < r_end; ++r) out[c * out_stride + r] = static_cast<To>(in[r * in_stride + c]);
+    }
+  }
+}
+
 // Calls fn(first, offset, run) for each stretch of values [start, start + count) of a
 // column_major read that lies in one column: values first .. first + run - 1 (counted from
 // start) sit at offset, offset + columns, ... in memory. Branch-free loops inside a stretch.
@@ -95,12 +161,7 @@ struct ColumnMajorInputGroups {
     tile_end = tile_begin + width * rows;
     tile.resize(width * rows);
     const scalar_t* top = input + (cursor.offset - cursor.row * order.columns);  // row 0 of the column
-    for (int64_t row = 0; row < rows; ++row) {
-      const scalar_t* values = top + row * order.columns;
-      for (int64_t column = 0; column < width; ++column) {
-        tile[column * rows + row] = static_cast<float>(values[column]);
-      }
-    }
+    transpose(top, order.columns, tile.data(), rows, rows, width);
   }
 };
 
