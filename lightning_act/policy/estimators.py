@@ -201,11 +201,13 @@ def probe_sensitivities(
         # Energy of each slot's noise at its reference width (2 bits or its floor), relative
         # to the probed width's: the blend weighs the norms at uniform reference widths.
         reference = {slot: max(2, floor) for slot, floor in floors.items()}
-        to_reference = {slot: noise[slot][SUPPORTED_BITS.index(reference[slot])] / noise[slot][SUPPORTED_BITS.index(width)]
-                        for slot, width in probed.items()}
+        to_reference = {slot: noise[slot][SUPPORTED_BITS.index(reference[slot])]
+                        / noise[slot][SUPPORTED_BITS.index(width)] for slot, width in probed.items()}
         if method == "linearized":
             routed = [slot for slot in probed if slot not in linearized.unrouted]
-            local = dict(zip(routed, torch.stack([linearized.local[slot] for slot in routed]).tolist())) if routed else {}
+            local = {}
+            if routed:  # every slot's local errors in one transfer
+                local = dict(zip(routed, torch.stack([linearized.local[slot] for slot in routed]).tolist()))
             totals = [sum(to_reference[slot] * values[j] for slot, values in (local | measured).items())
                       for j in range(len(norms))]
             if len(norms) > 1:
@@ -250,7 +252,8 @@ def _blend_coefficients(totals: list[float], update_share: float) -> list[float]
     return [(1.0 - update_share) * scale, update_share]
 
 
-def _measure_whole(probe, loss: torch.Tensor, params, exact, norms: list, widths: dict[str, int]) -> dict[str, list[float]]:
+def _measure_whole(probe, loss: torch.Tensor, params, exact, norms: list,
+                   widths: dict[str, int]) -> dict[str, list[float]]:
     """Per slot, per norm: the error of a whole backward with only that slot rounded."""
     measured = {}
     for slot, width in widths.items():
