@@ -55,35 +55,54 @@ LIGHTNING_ACT_TARGET_AVX2 LIGHTNING_ACT_ALWAYS_INLINE void transpose_block_avx2(
   _mm256_storeu_ps(out + 7 * out_stride, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
 
-LIGHTNING_ACT_TARGET_AVX2 void transpose_avx2(const float* in, int64_t in_stride, float* out, int64_t out_stride,
-                                              int64_t rows, int64_t width) {
+// The two ways between a row-major matrix (rows `matrix_stride` apart) and a column-major
+// tile of its `width` columns from row 0 (columns `tile_stride` apart), `rows` rows:
+// matrix[r * matrix_stride + c] = tile[c * tile_stride + r]. Both go over the matrix's
+// rows 8 at a time, outermost, and through a row's columns in blocks of 8 x 8 values (in
+// AVX2 registers for float32 where the CPU has it): each line of the matrix is read or
+// written whole while its 8 rows stay in L1, and each column's 8 values go to or come from
+// the tile as one run. (Over the tile's columns outermost, every matrix line is touched
+// once per 8 columns, far apart in time: 2-8x slower here.)
+LIGHTNING_ACT_TARGET_AVX2 void tile_from_matrix_avx2(const float* matrix, int64_t matrix_stride, float* tile,
+                                                     int64_t tile_stride, int64_t rows, int64_t width) {
   const int64_t block_rows = rows / 8 * 8, block_width = width / 8 * 8;
   for (int64_t r = 0; r < block_rows; r += 8) {
     for (int64_t c = 0; c < block_width; c += 8) {
-      transpose_block_avx2(in + r * in_stride + c, in_stride, out + c * out_stride + r, out_stride);
+      transpose_block_avx2(matrix + r * matrix_stride + c, matrix_stride, tile + c * tile_stride + r, tile_stride);
     }
     for (int64_t c = block_width; c < width; ++c) {
-      for (int64_t k = r; k < r + 8; ++k) out[c * out_stride + k] = in[k * in_stride + c];
+      for (int64_t k = r; k < r + 8; ++k) tile[c * tile_stride + k] = matrix[k * matrix_stride + c];
     }
   }
   for (int64_t r = block_rows; r < rows; ++r) {
-    for (int64_t c = 0; c < width; ++c) out[c * out_stride + r] = in[r * in_stride + c];
+    for (int64_t c = 0; c < width; ++c) tile[c * tile_stride + r] = matrix[r * matrix_stride + c];
+  }
+}
+
+LIGHTNING_ACT_TARGET_AVX2 void matrix_from_tile_avx2(const float* tile, int64_t tile_stride, float* matrix,
+                                                     int64_t matrix_stride, int64_t rows, int64_t width) {
+  const int64_t block_rows = rows / 8 * 8, block_width = width / 8 * 8;
+  for (int64_t r = 0; r < block_rows; r += 8) {
+    for (int64_t c = 0; c < block_width; c += 8) {
+      transpose_block_avx2(tile + c * tile_stride + r, tile_stride, matrix + r * matrix_stride + c, matrix_stride);
+    }
+    for (int64_t k = r; k < r + 8; ++k) {
+      for (int64_t c = block_width; c < width; ++c) matrix[k * matrix_stride + c] = tile[c * tile_stride + k];
+    }
+  }
+  for (int64_t r = block_rows; r < rows; ++r) {
+    for (int64_t c = 0; c < width; ++c) matrix[r * matrix_stride + c] = tile[c * tile_stride + r];
   }
 }
 #endif
 
-// out[c * out_stride + r] = in[r * in_stride + c] for r < rows, c < width: a tile of a
-// row-major matrix into a column-major buffer. Read and written in blocks of 8 x 8 values,
-// whose 8 rows stay in L1 while the block's columns go out as contiguous runs; float to
-// float in AVX2 registers where the CPU has it. (The way back, a column-major tile into
-// the matrix, gains nothing from blocks on this CPU: its scattered row writes, not the
-// loop, set its speed.)
 template <typename From, typename To>
-void transpose(const From* in, int64_t in_stride, To* out, int64_t out_stride, int64_t rows, int64_t width) {
+void tile_from_matrix(const From* matrix, int64_t matrix_stride, To* tile, int64_t tile_stride, int64_t rows,
+                      int64_t width) {
 #if defined(LIGHTNING_ACT_AVX2_DISPATCH)
   if constexpr (std::is_same_v<From, float> && std::is_same_v<To, float>) {
     if (cpu_has_avx2()) {
-      transpose_avx2(in, in_stride, out, out_stride, rows, width);
+      tile_from_matrix_avx2(matrix, matrix_stride, tile, tile_stride, rows, width);
       return;
     }
   }
@@ -91,8 +110,24 @@ void transpose(const From* in, int64_t in_stride, To* out, int64_t out_stride, i
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
     const int64_t r_end = std::min(rows, r0 + 8);
     for (int64_t c = 0; c < width; ++c) {
-      for (int64_t r = r0; r < r_end; ++r) out[c * out_stride + r] = static_cast<To>(in[r * in_stride + c]);
+      for (int64_t r = r0; r < r_end; ++r) tile[c * tile_stride + r] = static_cast<To>(matrix[r * matrix_stride + c]);
     }
+  }
+}
+
+template <typename T>
+void matrix_from_tile(const T* tile, int64_t tile_stride, T* matrix, int64_t matrix_stride, int64_t rows,
+                      int64_t width) {
+#if defined(LIGHTNING_ACT_AVX2_DISPATCH)
+  if constexpr (std::is_same_v<T, float>) {
+    if (cpu_has_avx2()) {
+      matrix_from_tile_avx2(tile, tile_stride, matrix, matrix_stride, rows, width);
+      return;
+    }
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < width; ++c) matrix[r * matrix_stride + c] = tile[c * tile_stride + r];
   }
 }
 
@@ -161,7 +196,7 @@ struct ColumnMajorInputGroups {
     tile_end = tile_begin + width * rows;
     tile.resize(width * rows);
     const scalar_t* top = input + (cursor.offset - cursor.row * order.columns);  // row 0 of the column
-    transpose(top, order.columns, tile.data(), rows, rows, width);
+    tile_from_matrix(top, order.columns, tile.data(), rows, rows, width);
   }
 };
 
@@ -239,12 +274,21 @@ struct ColumnMajorOutputGroups {
     const int64_t width = (cursor.row + (filled - tile_begin) + rows - 1) / rows;
     scalar_t* top = output + (cursor.offset - cursor.row * order.columns);  // row 0 of the first column
     const int64_t held = filled - tile_begin;
-    for (int64_t row = 0; row < rows; ++row) {
-      scalar_t* values = top + row * order.columns;
-      for (int64_t column = 0; column < width; ++column) {
-        const int64_t k = column * rows + row - cursor.row;  // its place in the tile
+    // The tile holds (row, column) at column * rows + row - cursor.row, where that lies in
+    // [0, held): the columns it holds whole go out at once, a partial first or last one
+    // value by value.
+    const int64_t first_whole = cursor.row > 0 ? 1 : 0;
+    const int64_t end_whole = std::max(first_whole, (held + cursor.row) / rows);
+    matrix_from_tile(tile.data() + first_whole * rows - cursor.row, rows, top + first_whole, order.columns, rows,
+                     end_whole - first_whole);
+    for (const int64_t column : {int64_t{0}, width - 1}) {
+      if (column >= first_whole && column < end_whole) {
+        continue;
+      }
+      for (int64_t row = 0; row < rows; ++row) {
+        const int64_t k = column * rows + row - cursor.row;
         if (k >= 0 && k < held) {
-          values[column] = tile[k];
+          top[row * order.columns + column] = tile[k];
         }
       }
     }
