@@ -55,14 +55,7 @@ LIGHTNING_ACT_TARGET_AVX2 LIGHTNING_ACT_ALWAYS_INLINE void transpose_block_avx2(
   _mm256_storeu_ps(out + 7 * out_stride, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
 
-// The two ways between a row-major matrix (rows `matrix_stride` apart) and a column-major
-// tile of its `width` columns from row 0 (columns `tile_stride` apart), `rows` rows:
-// matrix[r * matrix_stride + c] = tile[c * tile_stride + r]. Both go over the matrix's
-// rows 8 at a time, outermost, and through a row's columns in blocks of 8 x 8 values (in
-// AVX2 registers for float32 where the CPU has it): each line of the matrix is read or
-// written whole while its 8 rows stay in L1, and each column's 8 values go to or come from
-// the tile as one run. (Over the tile's columns outermost, every matrix line is touched
-// once per 8 columns, far apart in time: 2-8x slower here.)
+// tile_from_matrix and matrix_from_tile (below) in AVX2 registers, for float32.
 LIGHTNING_ACT_TARGET_AVX2 void tile_from_matrix_avx2(const float* matrix, int64_t matrix_stride, float* tile,
                                                      int64_t tile_stride, int64_t rows, int64_t width) {
   const int64_t block_rows = rows / 8 * 8, block_width = width / 8 * 8;
@@ -96,6 +89,14 @@ LIGHTNING_ACT_TARGET_AVX2 void matrix_from_tile_avx2(const float* tile, int64_t 
 }
 #endif
 
+// The two ways between a row-major matrix (rows `matrix_stride` apart) and a column-major
+// tile of its `width` columns from row 0 (columns `tile_stride` apart), `rows` rows:
+// matrix[r * matrix_stride + c] = tile[c * tile_stride + r]. Both go over the matrix's
+// rows 8 at a time, outermost, and through a row's columns in blocks of 8 x 8 values (in
+// AVX2 registers for float32 where the CPU has it): each line of the matrix is read or
+// written whole while its 8 rows stay in L1, and each column's 8 values go to or come from
+// the tile as one run. (Over the tile's columns outermost, every matrix line is touched
+// once per 8 columns, far apart in time: 2-8x slower here.)
 template <typename From, typename To>
 void tile_from_matrix(const From* matrix, int64_t matrix_stride, To* tile, int64_t tile_stride, int64_t rows,
                       int64_t width) {
