@@ -40,6 +40,9 @@ SETTINGS = {
     "fixed 2 bits": {"bits": 2},
     "adaptive 2 bits": {"budget": 2.0},
     "adaptive 3 bits": {"budget": 3.0},
+    "fixed 4 bits": {"bits": 4},
+    # Rounding noise about 7,000 times below 2 bits': what is left is not variance.
+    "fixed 8 bits": {"bits": 8},
     # Quantization groups in memory order only (along the features), for comparison.
     "fixed 2 bits, memory order": {"bits": 2, "group_order": "memory"},
     "adaptive 2 bits, memory order": {"budget": 2.0, "group_order": "memory"},
