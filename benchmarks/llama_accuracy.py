@@ -16,12 +16,19 @@ whose spread over the seeds is the yardstick: compression should stay within it.
 
     python benchmarks/llama_accuracy.py --data ../shared/data --steps 300 --seeds 3
     python benchmarks/llama_accuracy.py --config heldout --data ../shared/data --steps 300 --seeds 3
+
+``--bound`` instead trains the configuration uncompressed for 50 steps and reports, from the
+probes' sensitivities there (both norms, as the callback measures them), the least gradient
+variance any allocation of real-valued bits per tensor could reach at budgets of 2 and 3
+(``adaptive_allocation.allocation_bound``), next to uniform 4 bits', all relative to
+uniform 2 bits': whether a budget could reach the noise of a width that keeps the loss.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -31,7 +38,7 @@ import torch
 
 from _seed_grid import run_settings
 
-from lightning_act import ActCompression
+from lightning_act import ActCompression, ActivationCapture, CompressionConfig
 from lightning_act.examples._schedule import warmup_cosine
 from lightning_act.examples.language import CharTextDataModule
 
@@ -121,6 +128,40 @@ def train(data: Path, steps: int, settings: dict | None, recalibrate: int, seed:
     return result
 
 
+def variance_bound(data: Path, config: Config, steps: int = 50) -> dict:
+    """See ``--bound`` in the module's docstring."""
+    from adaptive_allocation import allocation_bound
+
+    L.seed_everything(0)
+    model = LlamaBytes(d_model=config.d_model, n_layers=config.n_layers, lr=config.lr, block_size=config.block_size)
+    datamodule = CharTextDataModule(str(data / "tinyshakespeare" / "input.txt"), block_size=config.block_size,
+                                    batch_size=config.batch_size)
+    class StopAt(L.Callback):  # the schedule of a 300-step run, stopped where its learning rate is high
+        def on_train_batch_end(self, trainer, *args):
+            trainer.should_stop = trainer.global_step >= steps
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=300, limit_val_batches=0, logger=False, callbacks=[StopAt()],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, datamodule)
+    batch = next(iter(datamodule.train_dataloader()))
+    capture = ActivationCapture(CompressionConfig(bits=2), model)
+    sensitivity = capture.measure_sensitivity(lambda: model._loss(batch), inputs=batch, optimizers=trainer.optimizers)
+    # (numel, sensitivity, floor) per tensor; the bound's model of the noise is S(b) = 4**-b.
+    units = [(info.numel, sensitivity.get(slot, {}).get(2, 0.0), info.min_bits) for slot, info in capture.slots.items()]
+
+    def uniform(bits: float) -> float:
+        return sum(c * 4.0 ** -max(bits, floor) for _, c, floor in units)
+
+    return {
+        "after_steps": steps,
+        "tensors": len(units),
+        "budget_2_bound": allocation_bound(units, 2.0),
+        "budget_3_bound": allocation_bound(units, 3.0) * uniform(3.0) / uniform(2.0),
+        "uniform_3_bits": uniform(3.0) / uniform(2.0),
+        "uniform_4_bits": uniform(4.0) / uniform(2.0),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=Path("../shared/data"))
@@ -130,12 +171,23 @@ def main():
     parser.add_argument("--recalibrate", type=int, help="steps between recalibrations (default: the config's)")
     parser.add_argument("--only", nargs="*", choices=sorted(SETTINGS), help="settings to run (default: all)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds (weights, data order, rounding) per setting")
+    parser.add_argument("--bound", action="store_true",
+                        help="the least variance a budget could reach, against uniform 4 bits (see above)")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op CPU threads (one: a shared machine's busy cores slow OpenMP barriers)")
     args = parser.parse_args()
     config = CONFIGS[args.config]
     if args.recalibrate is None:
         args.recalibrate = config.recalibrate
+    if args.bound:
+        torch.set_num_threads(args.threads)
+        bound = variance_bound(args.data, config)
+        print("gradient variance relative to uniform 2 bits: " + ", ".join(
+            f"{key} {value:.3f}" for key, value in bound.items() if isinstance(value, float)), flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"llama_variance_bound_{args.config}_cpu.json"
+        path.write_text(json.dumps({**bound, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}, indent=1))
+        return
     name = "llama_accuracy_cpu.json" if args.config == "small" else f"llama_accuracy_{args.config}_cpu.json"
     run_settings(args, SETTINGS, functools.partial(train, config=config), name)
 

@@ -266,6 +266,26 @@ def test_update_weights_follow_each_optimizer_step():
 
 
 @pytest.mark.parametrize("method", ["per_tensor", "linearized"])
+def test_a_learning_rate_of_zero_ranks_the_tensors_by_the_gradient(method):
+    # Update weights of 0 (a schedule at lr 0): no update to disturb, so the raw gradient's
+    # norm alone ranks the tensors, not a table of zeros that would send each to its floor.
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(32, 64)
+    params = list(model.parameters())
+
+    def probe(**kwargs):
+        capture = ActivationCapture(CompressionConfig(min_numel=256), model)
+        return probe_sensitivities(capture, lambda: model(x).square().mean(), params, inputs=x, method=method,
+                                   **kwargs)
+
+    gradient, frozen = probe(), probe(weights=[0.0] * len(params))
+    assert sum(table[2] for table in frozen.values()) > 0.0
+    for slot in gradient:
+        assert frozen[slot][2] == pytest.approx(gradient[slot][2], rel=1e-5)
+
+
+@pytest.mark.parametrize("method", ["per_tensor", "linearized"])
 def test_probe_blends_the_gradient_and_update_norms_at_equal_footing(method):
     # Weights that favour the first layer's parameters 1000-fold: the update norm then ranks
     # the slots differently from the gradient norm, and the blend is their mix, the

@@ -248,6 +248,8 @@ def _blend_coefficients(totals: list[float], update_share: float) -> list[float]
     if len(totals) == 1:
         return [1.0]
     gradient_total, update_total = totals
+    if not update_total > 0.0:  # no update to disturb (a learning rate of 0): the gradient's alone
+        return [1.0, 0.0]
     scale = update_total / gradient_total if gradient_total > 0.0 else 0.0
     return [(1.0 - update_share) * scale, update_share]
 
