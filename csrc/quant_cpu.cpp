@@ -55,36 +55,27 @@ LIGHTNING_ACT_TARGET_AVX2 LIGHTNING_ACT_ALWAYS_INLINE void transpose_block_avx2(
   _mm256_storeu_ps(out + 7 * out_stride, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
 
-// tile_from_matrix and matrix_from_tile (below) in AVX2 registers, for float32.
-LIGHTNING_ACT_TARGET_AVX2 void tile_from_matrix_avx2(const float* matrix, int64_t matrix_stride, float* tile,
-                                                     int64_t tile_stride, int64_t rows, int64_t width) {
+// tile_from_matrix (kToTile) and matrix_from_tile (below) in AVX2 registers, for float32.
+// Value (r, c) sits at r * matrix_stride + c in the matrix and c * tile_stride + r in the
+// tile; `from` is the one side, `to` the other.
+template <bool kToTile>
+LIGHTNING_ACT_TARGET_AVX2 void move_tile_avx2(const float* from, float* to, int64_t matrix_stride, int64_t tile_stride,
+                                              int64_t rows, int64_t width) {
+  const int64_t from_row = kToTile ? matrix_stride : 1, from_column = kToTile ? 1 : tile_stride;
+  const int64_t to_row = kToTile ? 1 : matrix_stride, to_column = kToTile ? tile_stride : 1;
+  const int64_t from_stride = kToTile ? matrix_stride : tile_stride, to_stride = kToTile ? tile_stride : matrix_stride;
   const int64_t block_rows = rows / 8 * 8, block_width = width / 8 * 8;
   for (int64_t r = 0; r < block_rows; r += 8) {
     for (int64_t c = 0; c < block_width; c += 8) {
-      transpose_block_avx2(matrix + r * matrix_stride + c, matrix_stride, tile + c * tile_stride + r, tile_stride);
-    }
-    for (int64_t c = block_width; c < width; ++c) {
-      for (int64_t k = r; k < r + 8; ++k) tile[c * tile_stride + k] = matrix[k * matrix_stride + c];
-    }
-  }
-  for (int64_t r = block_rows; r < rows; ++r) {
-    for (int64_t c = 0; c < width; ++c) tile[c * tile_stride + r] = matrix[r * matrix_stride + c];
-  }
-}
-
-LIGHTNING_ACT_TARGET_AVX2 void matrix_from_tile_avx2(const float* tile, int64_t tile_stride, float* matrix,
-                                                     int64_t matrix_stride, int64_t rows, int64_t width) {
-  const int64_t block_rows = rows / 8 * 8, block_width = width / 8 * 8;
-  for (int64_t r = 0; r < block_rows; r += 8) {
-    for (int64_t c = 0; c < block_width; c += 8) {
-      transpose_block_avx2(tile + c * tile_stride + r, tile_stride, matrix + r * matrix_stride + c, matrix_stride);
+      transpose_block_avx2(from + r * from_row + c * from_column, from_stride, to + r * to_row + c * to_column,
+                           to_stride);
     }
     for (int64_t k = r; k < r + 8; ++k) {
-      for (int64_t c = block_width; c < width; ++c) matrix[k * matrix_stride + c] = tile[c * tile_stride + k];
+      for (int64_t c = block_width; c < width; ++c) to[k * to_row + c * to_column] = from[k * from_row + c * from_column];
     }
   }
   for (int64_t r = block_rows; r < rows; ++r) {
-    for (int64_t c = 0; c < width; ++c) matrix[r * matrix_stride + c] = tile[c * tile_stride + r];
+    for (int64_t c = 0; c < width; ++c) to[r * to_row + c * to_column] = from[r * from_row + c * from_column];
   }
 }
 #endif
@@ -103,7 +94,7 @@ void tile_from_matrix(const From* matrix, int64_t matrix_stride, To* tile, int64
 #if defined(LIGHTNING_ACT_AVX2_DISPATCH)
   if constexpr (std::is_same_v<From, float> && std::is_same_v<To, float>) {
     if (cpu_has_avx2()) {
-      tile_from_matrix_avx2(matrix, matrix_stride, tile, tile_stride, rows, width);
+      move_tile_avx2<true>(matrix, tile, matrix_stride, tile_stride, rows, width);
       return;
     }
   }
@@ -122,7 +113,7 @@ void matrix_from_tile(const T* tile, int64_t tile_stride, T* matrix, int64_t mat
 #if defined(LIGHTNING_ACT_AVX2_DISPATCH)
   if constexpr (std::is_same_v<T, float>) {
     if (cpu_has_avx2()) {
-      matrix_from_tile_avx2(tile, tile_stride, matrix, matrix_stride, rows, width);
+      move_tile_avx2<false>(tile, matrix, matrix_stride, tile_stride, rows, width);
       return;
     }
   }

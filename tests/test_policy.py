@@ -265,10 +265,8 @@ def test_update_weights_follow_each_optimizer_step():
         assert scaled[slot][2] == pytest.approx(4 * table[2], rel=1e-5)
 
 
-@pytest.mark.parametrize("method", ["per_tensor", "linearized"])
-def test_a_learning_rate_of_zero_ranks_the_tensors_by_the_gradient(method):
-    # Update weights of 0 (a schedule at lr 0): no update to disturb, so the raw gradient's
-    # norm alone ranks the tensors, not a table of zeros that would send each to its floor.
+def net_probe(method: str, **options):
+    """The probes of a seeded :class:`Net` on one batch, by ``method``, and its parameters."""
     torch.manual_seed(0)
     model = Net()
     x = torch.randn(32, 64)
@@ -277,8 +275,16 @@ def test_a_learning_rate_of_zero_ranks_the_tensors_by_the_gradient(method):
     def probe(**kwargs):
         capture = ActivationCapture(CompressionConfig(min_numel=256), model)
         return probe_sensitivities(capture, lambda: model(x).square().mean(), params, inputs=x, method=method,
-                                   **kwargs)
+                                   **options, **kwargs)
 
+    return probe, params
+
+
+@pytest.mark.parametrize("method", ["per_tensor", "linearized"])
+def test_a_learning_rate_of_zero_ranks_the_tensors_by_the_gradient(method):
+    # Update weights of 0 (a schedule at lr 0): no update to disturb, so the raw gradient's
+    # norm alone ranks the tensors, not a table of zeros that would send each to its floor.
+    probe, params = net_probe(method)
     gradient, frozen = probe(), probe(weights=[0.0] * len(params))
     assert sum(table[2] for table in frozen.values()) > 0.0
     for slot in gradient:
@@ -293,16 +299,8 @@ def test_probe_blends_the_gradient_and_update_norms_at_equal_footing(method):
     # per tensor measures each norm exactly; the linearized probes estimate the blend
     # (its scale from one backward of sign-mixed errors, one set of directions for both
     # norms), so they match within their directional spread.
-    torch.manual_seed(0)
-    model = Net()
-    x = torch.randn(32, 64)
-    params = list(model.parameters())
+    probe, params = net_probe(method, directions=512)
     weights = [1000.0 if i < 2 else 1.0 for i in range(len(params))]
-
-    def probe(**kwargs):
-        capture = ActivationCapture(CompressionConfig(min_numel=256), model)
-        return probe_sensitivities(capture, lambda: model(x).square().mean(), params, inputs=x, method=method,
-                                   directions=512, **kwargs)
 
     gradient, update = probe(), probe(weights=weights, update_share=1.0)
     blend = probe(weights=weights, update_share=0.25)

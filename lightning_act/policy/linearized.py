@@ -303,7 +303,7 @@ class LinearizedProbe:
                                torch.stack([error.reshape(-1) for _, error in entries]))
                          for key, entries in self.errors.items()}
         self.errors = {}
-        means = torch.zeros(len(slots), dtype=torch.float64)
+        means = torch.zeros(len(slots), dtype=torch.float64, device=self.params[0].device)  # read once, at the end
         scale = sum(p.detach().double().square().sum() for p in self.params).sqrt()  # the parameters' norm
         deviations = [None if w is None else torch.as_tensor(w, dtype=torch.float32, device=p.device).sqrt()
                       for p, w in zip(self.params, weights)]
@@ -311,7 +311,7 @@ class LinearizedProbe:
         saved = [p.detach().clone() for p in self.params]
         try:
             for _ in range(directions):
-                means += self._direction(forward, deviations, generator, len(slots), scale, saved).square().cpu()
+                means += self._direction(forward, deviations, generator, len(slots), scale, saved).square()
         finally:
             with torch.no_grad():
                 for p, value in zip(self.params, saved):
