@@ -3,13 +3,14 @@
 //
 // They run once per saved tensor per step, so the common case stays in C++: a plan the
 // Python implementation (lightning_act/capture/compiled.py) has already handled once and
-// registered here as a "packer" (groups in memory order or along a decided axis) is packed
-// with the next seed of the graph seed stream, counted, and its stats kept for the session's
-// report, all without Python. Everything else goes to that Python implementation, through
-// the ops pack_saved_python / unpack_saved_python: plans not registered yet (the first call
-// of each, a survey still running), masks, integer and derivative saves, a tensor whose
-// storage the session keeps alive anyway (its batch), and any call while no session is
-// capturing. Python reads the counts at the end of the session (graph_native_drain).
+// registered here as a "packer" (groups in memory order or along a decided axis, or a mask)
+// is packed with the next seed of the graph seed stream, counted, and its stats kept for the
+// session's report, all without Python; so is a registered plan's tensor whose storage the
+// session keeps alive anyway (its batch), which is handed back as it is. Everything else goes
+// to that Python implementation, through the ops pack_saved_python / unpack_saved_python:
+// plans not registered yet (the first call of each, a survey still running), integer saves,
+// the decoding of derivative saves, and any call while no session is capturing. Python reads
+// the counts at the end of the session (graph_native_drain).
 //
 // The quantizer is called through the dispatcher, so a CUDA tensor goes to the CUDA kernels
 // (or to the reference where they did not build), exactly as from Python.
@@ -26,13 +27,19 @@
 #include <unordered_set>
 #include <vector>
 
+#include "quant_args.h"
+
 namespace lightning_act {
 namespace {
 
-// How a registered plan packs: ``axis`` -1 for memory order; ``survey`` plans return a third
-// part, the matrices (rows, columns) the groups were read as.
+// How a registered plan packs: a ``mask`` 8 values to a byte (lightning_act.ops.layout's
+// planar bit fields), else quantized, ``axis`` -1 for memory order; ``survey`` plans return
+// a third part, the matrices (rows, columns) the groups were read as. A ``kept_only`` plan
+// (its survey undecided) serves only inputs kept alive, which it hands back unwritten.
 struct Packer {
   int64_t id;
+  bool kept_only;
+  bool mask;
   int64_t bits;
   int64_t group_size;
   int64_t axis;
@@ -42,6 +49,7 @@ struct Packer {
 };
 
 struct Decoder {
+  bool mask;
   int64_t bits;
   int64_t group_size;
   bool survey;
@@ -58,10 +66,13 @@ struct State {
   uint64_t seed_count = 0;
   std::unordered_map<std::string, Packer> packers;
   std::unordered_map<std::string, Decoder> decoders;
-  // The first parts of the saves Python handed back unwritten (their input is kept alive
-  // instead): unpack leaves them to Python, which holds the inputs.
-  std::unordered_map<const c10::TensorImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>> kept_parts;
+  // The first parts of the saves handed back unwritten, each with the input it stands for
+  // (kept alive anyway: unpack returns it). An entry goes when its part has died, looked
+  // for at each new entry, drain and session change.
+  std::unordered_map<const c10::TensorImpl*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, at::Tensor>>
+      kept_parts;
   std::vector<int64_t> counts;  // by packer id, since the last drain
+  std::vector<int64_t> kept_counts;  // by packer id: its inputs handed back unwritten
   std::vector<at::Tensor> stats;
   std::vector<int64_t> stat_ids;
 };
@@ -79,10 +90,28 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-bool is_kept_locked(State& s, const at::Tensor& part) {
-  if (s.kept_parts.empty()) return false;
+// The input an unwritten part stands for; undefined for any other part.
+at::Tensor kept_input_locked(State& s, const at::Tensor& part) {
+  if (s.kept_parts.empty()) return {};
   const auto found = s.kept_parts.find(part.unsafeGetTensorImpl());
-  return found != s.kept_parts.end() && !found->second.expired();
+  return found == s.kept_parts.end() || found->second.first.expired() ? at::Tensor() : found->second.second;
+}
+
+void forget_dead_kept_locked(State& s) {
+  for (auto entry = s.kept_parts.begin(); entry != s.kept_parts.end();) {
+    entry = entry->second.first.expired() ? s.kept_parts.erase(entry) : std::next(entry);
+  }
+}
+
+void keep_locked(State& s, const at::Tensor& part, const at::Tensor& input) {
+  forget_dead_kept_locked(s);
+  s.kept_parts.insert_or_assign(part.unsafeGetTensorImpl(),
+                                std::make_pair(c10::weak_intrusive_ptr<c10::TensorImpl>(part.getIntrusivePtr()), input));
+}
+
+void count_locked(std::vector<int64_t>& counts, int64_t id) {
+  if (static_cast<int64_t>(counts.size()) <= id) counts.resize(id + 1, 0);
+  ++counts[id];
 }
 
 int64_t next_seed_locked(State& s) {
@@ -140,6 +169,46 @@ unpack_dequantize_op() {
   return op;
 }
 
+// The tensor sizes and strides describe, from its values in memory order: restore() of
+// lightning_act.capture.compiled.
+at::Tensor restore(const at::Tensor& flat_values, at::IntArrayRef size, at::IntArrayRef stride) {
+  if (memory_order(size, stride)) return flat_values.as_strided(size, stride);
+  return at::empty_strided(size, stride, flat_values.options()).copy_(flat_values.view(size));
+}
+
+// A bool tensor's values 8 to a byte, in planar bit fields: pack_bit_fields(..., 1, planar=True)
+// of lightning_act.ops.layout, op for op, so the bytes are the same.
+at::Tensor pack_mask(const at::Tensor& input) {
+  at::Tensor codes = flat(input).view(at::kByte);
+  const int64_t padding = (8 - codes.numel() % 8) % 8;
+  if (padding > 0) codes = at::cat({codes, at::zeros({padding}, codes.options())});
+  const at::Tensor fields = codes.view({8, -1});
+  at::Tensor packed = fields[0].clone();
+  for (int64_t field = 1; field < 8; ++field) packed.bitwise_or_(fields[field].bitwise_left_shift(field));
+  return packed;
+}
+
+// pack_mask's inverse: unpack_bit_fields(packed, 1, planar=True, numel) as bools.
+at::Tensor unpack_mask(const at::Tensor& packed, int64_t numel) {
+  at::Tensor codes = at::empty({packed.numel() * 8}, packed.options());
+  const at::Tensor fields = codes.view({8, -1});
+  for (int64_t field = 0; field < 8; ++field) {
+    at::Tensor out = fields[field];
+    at::bitwise_and_out(out, packed.bitwise_right_shift(field), 1);
+  }
+  return codes.narrow(0, 0, numel).view(at::kBool);
+}
+
+// Parts of the packer's sizes, unwritten: what a kept-alive input's save returns (the graph
+// checks its outputs' sizes), all unpack needs being the first part's identity.
+std::vector<at::Tensor> unwritten_parts(const Packer& packer, const at::Tensor& input) {
+  const auto options = input.options();
+  if (packer.mask) return {at::empty({(input.numel() + 7) / 8}, options.dtype(at::kByte))};
+  auto [codes, stats] = empty_codes_and_stats(input.numel(), packer.bits, packer.group_size, options);
+  if (!packer.survey) return {codes, stats};
+  return {codes, stats, at::zeros({2}, at::dtype(at::kLong))};
+}
+
 std::vector<at::Tensor> pack_saved_python(const at::Tensor& input, c10::string_view plan) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("lightning_act::pack_saved_python", "")
@@ -160,20 +229,30 @@ std::vector<at::Tensor> pack_saved(const at::Tensor& input, c10::string_view pla
   State& s = state();
   Packer packer{};
   int64_t seed = 0;
-  bool native = false;
+  bool native = false, kept_alive = false;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     const auto found = s.active ? s.packers.find(std::string(plan)) : s.packers.end();
-    native = found != s.packers.end() && found->second.numel == input.numel() && found->second.token == s.token &&
-             s.external_storages.count(reinterpret_cast<int64_t>(input.storage().data())) == 0;
+    native = found != s.packers.end() && found->second.numel == input.numel() && found->second.token == s.token;
     if (native) {
       packer = found->second;
-      seed = next_seed_locked(s);
+      kept_alive = s.external_storages.count(reinterpret_cast<int64_t>(input.storage().data())) > 0;
+      native = kept_alive || !packer.kept_only;
+      if (native && !kept_alive) seed = next_seed_locked(s);  // a mask's too: the stream stays Python's
     }
   }
   if (!native) return pack_saved_python(input, plan);  // unlocked: Python registers what it learns
+  if (kept_alive) {
+    std::vector<at::Tensor> parts = unwritten_parts(packer, input);
+    std::lock_guard<std::mutex> lock(s.mutex);
+    keep_locked(s, parts[0], input);
+    count_locked(s.kept_counts, packer.id);
+    return parts;
+  }
   std::vector<at::Tensor> parts;
-  if (!packer.survey) {
+  if (packer.mask) {
+    parts = {pack_mask(input)};
+  } else if (!packer.survey) {
     auto [codes, stats] = quantize_pack_op().call(flat(input), packer.bits, packer.group_size, seed, false);
     parts = {codes, stats};
   } else {
@@ -194,10 +273,11 @@ std::vector<at::Tensor> pack_saved(const at::Tensor& input, c10::string_view pla
     parts = {codes, stats, shape};
   }
   std::lock_guard<std::mutex> lock(s.mutex);
-  if (static_cast<int64_t>(s.counts.size()) <= packer.id) s.counts.resize(packer.id + 1, 0);
-  ++s.counts[packer.id];
-  s.stats.push_back(parts[1]);
-  s.stat_ids.push_back(packer.id);
+  count_locked(s.counts, packer.id);
+  if (!packer.mask) {
+    s.stats.push_back(parts[1]);
+    s.stat_ids.push_back(packer.id);
+  }
   return parts;
 }
 
@@ -211,24 +291,26 @@ at::Tensor unpack_saved(at::TensorList parts, c10::SymIntArrayRef sym_size, c10:
   bool native = false;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
+    at::Tensor kept = kept_input_locked(s, parts[0]);
+    if (kept.defined()) return kept;
     const auto found = s.decoders.find(std::string(plan));
-    native = found != s.decoders.end() && !is_kept_locked(s, parts[0]);
+    native = found != s.decoders.end();
     if (native) decoder = found->second;
   }
   if (!native) return unpack_saved_python(parts, sym_size, sym_stride, dtype, plan);
   const at::IntArrayRef size = C10_AS_INTARRAYREF_SLOW(sym_size), stride = C10_AS_INTARRAYREF_SLOW(sym_stride);
+  int64_t numel = 1;
+  for (const int64_t length : size) numel *= length;
+  if (decoder.mask) return restore(unpack_mask(parts[0], numel), size, stride);
   int64_t rows = 0, columns = 0;
   if (decoder.survey) {  // the matrices' shape, on the host
     const int64_t* shape = parts[2].data_ptr<int64_t>();
     rows = shape[0];
     columns = shape[1];
   }
-  int64_t numel = 1;
-  for (const int64_t length : size) numel *= length;
-  at::Tensor decoded =
+  const at::Tensor decoded =
       unpack_dequantize_op().call(parts[0], parts[1], decoder.bits, decoder.group_size, numel, dtype, rows, columns);
-  if (memory_order(size, stride)) return decoded.as_strided(size, stride);
-  return at::empty_strided(size, stride, decoded.options()).copy_(decoded.view(size));
+  return restore(decoded, size, stride);
 }
 
 // ---------------------------------------------------------------- control, from Python
@@ -237,6 +319,7 @@ void native_session(bool active, int64_t token, std::vector<int64_t> external_st
   std::lock_guard<std::mutex> lock(s.mutex);
   s.active = active;
   s.token = token;
+  forget_dead_kept_locked(s);  // a step's batch is not held into the next
   s.external_storages = std::unordered_set<int64_t>(external_storages.begin(), external_storages.end());
 }
 
@@ -259,46 +342,67 @@ int64_t native_next_seed() {
   return next_seed_locked(s);
 }
 
-void native_packer(c10::string_view plan, int64_t id, int64_t bits, int64_t group_size, int64_t axis, bool survey,
-                   int64_t numel, int64_t token) {
+void native_packer(c10::string_view plan, int64_t id, bool kept_only, bool mask, int64_t bits, int64_t group_size,
+                   int64_t axis, bool survey, int64_t numel, int64_t token) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.packers[std::string(plan)] = Packer{id, bits, group_size, axis, survey, numel, token};
+  s.packers[std::string(plan)] = Packer{id, kept_only, mask, bits, group_size, axis, survey, numel, token};
 }
 
-void native_decoder(c10::string_view plan, int64_t bits, int64_t group_size, bool survey) {
+void native_decoder(c10::string_view plan, bool mask, int64_t bits, int64_t group_size, bool survey) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.decoders[std::string(plan)] = Decoder{bits, group_size, survey};
+  s.decoders[std::string(plan)] = Decoder{mask, bits, group_size, survey};
 }
 
-void native_kept(const at::Tensor& part) {
+void native_kept(const at::Tensor& part, const at::Tensor& input) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  for (auto entry = s.kept_parts.begin(); entry != s.kept_parts.end();) {  // those whose graph state died
-    entry = entry->second.expired() ? s.kept_parts.erase(entry) : std::next(entry);
-  }
-  s.kept_parts.emplace(part.unsafeGetTensorImpl(), c10::weak_intrusive_ptr<c10::TensorImpl>(part.getIntrusivePtr()));
+  keep_locked(s, part, input);
 }
 
-// What was packed here since the last drain: (packer id, count) pairs flattened, and each
-// packed tensor's stats with its packer id.
-std::tuple<std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>> native_drain() {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  std::vector<int64_t> counts;
-  for (size_t id = 0; id < s.counts.size(); ++id) {
-    if (s.counts[id] > 0) {
-      counts.push_back(static_cast<int64_t>(id));
-      counts.push_back(s.counts[id]);
+// (packer id, count) pairs flattened, of the packers counted; the counts reset.
+std::vector<int64_t> drain_counts(std::vector<int64_t>& counts) {
+  std::vector<int64_t> drained;
+  for (size_t id = 0; id < counts.size(); ++id) {
+    if (counts[id] > 0) {
+      drained.push_back(static_cast<int64_t>(id));
+      drained.push_back(counts[id]);
     }
   }
-  s.counts.assign(s.counts.size(), 0);
+  counts.assign(counts.size(), 0);
+  return drained;
+}
+
+// What was done here since the last drain: the counts of saves packed and of those handed
+// back unwritten, and the packed tensors' stats: with ``each``, every one with its packer id
+// (an estimator reads them); without, concatenated per device (all the non-finite check
+// needs: one tensor for Python to read, not one per packed tensor).
+std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>> native_drain(
+    bool each) {
+  State& s = state();
+  std::vector<int64_t> counts, kept_counts;
   std::vector<at::Tensor> stats;
   std::vector<int64_t> stat_ids;
-  stats.swap(s.stats);
-  stat_ids.swap(s.stat_ids);
-  return {counts, stats, stat_ids};
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    counts = drain_counts(s.counts);
+    kept_counts = drain_counts(s.kept_counts);
+    forget_dead_kept_locked(s);
+    stats.swap(s.stats);
+    stat_ids.swap(s.stat_ids);
+  }
+  if (each || stats.empty()) return {counts, kept_counts, stats, stat_ids};
+  std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> by_device;
+  for (const at::Tensor& group_stats : stats) {
+    auto found = std::find_if(by_device.begin(), by_device.end(),
+                              [&](const auto& entry) { return entry.first == group_stats.device(); });
+    if (found == by_device.end()) found = by_device.insert(by_device.end(), {group_stats.device(), {}});
+    found->second.push_back(group_stats);
+  }
+  std::vector<at::Tensor> joined;
+  for (const auto& entry : by_device) joined.push_back(at::cat(entry.second));
+  return {counts, kept_counts, joined, {}};
 }
 
 void native_forget_packers() {
@@ -306,6 +410,7 @@ void native_forget_packers() {
   std::lock_guard<std::mutex> lock(s.mutex);
   s.packers.clear();
   s.counts.clear();
+  s.kept_counts.clear();
 }
 
 }  // namespace
@@ -315,12 +420,13 @@ TORCH_LIBRARY_FRAGMENT(lightning_act, m) {
   m.def("graph_native_external(int storage) -> ()", &native_external);
   m.def("graph_native_seeds(int base, int count) -> ()", &native_seeds);
   m.def("graph_native_next_seed() -> int", &native_next_seed);
-  m.def("graph_native_packer(str plan, int id, int bits, int group_size, int axis, bool survey, int numel, int token)"
-        " -> ()",
+  m.def("graph_native_packer(str plan, int id, bool kept_only, bool mask, int bits, int group_size, int axis, "
+        "bool survey, int numel, int token) -> ()",
         &native_packer);
-  m.def("graph_native_decoder(str plan, int bits, int group_size, bool survey) -> ()", &native_decoder);
-  m.def("graph_native_kept(Tensor part) -> ()", &native_kept);
-  m.def("graph_native_drain() -> (int[] counts, Tensor[] stats, int[] stat_ids)", &native_drain);
+  m.def("graph_native_decoder(str plan, bool mask, int bits, int group_size, bool survey) -> ()", &native_decoder);
+  m.def("graph_native_kept(Tensor part, Tensor input) -> ()", &native_kept);
+  m.def("graph_native_drain(bool each) -> (int[] counts, int[] kept_counts, Tensor[] stats, int[] stat_ids)",
+        &native_drain);
   m.def("graph_native_forget_packers() -> ()", &native_forget_packers);
 }
 

@@ -51,7 +51,7 @@ from lightning_act.backward_reads import PointwiseDerivative, Read, Use, graph_r
 from lightning_act.capture.decide import BATCH_NORM_OPS, Kind, decide_saved_node
 from lightning_act.capture.group_order import candidate_axes
 from lightning_act.capture.records import unpack as unpack_eager
-from lightning_act.capture.report import Outcome, SlotMemory
+from lightning_act.capture.report import Outcome, ReportDelta, SlotMemory
 from lightning_act.codecs.exact import INDEX_DTYPES, IndexCodec, IndexTensor, index_layout
 from lightning_act.ops.layout import pack_bit_fields, unpack_bit_fields
 from lightning_act.policy import SlotInfo
@@ -113,15 +113,13 @@ class PackedSave(NamedTuple):
     size, so worked out once per process (it runs for every packed tensor of every step)."""
 
     plan: Plan
-    saved: int
-    stored: int
-    outcome: Outcome
-    codec: str
-    #: For a quantized save (None for a mask): its slot for the policy and the report.
+    #: One call: the packed tensor and the kept saves its plan carries (:attr:`Plan.kept`).
+    delta: ReportDelta
+    #: One call that kept its tensor as it is instead (the batch): the kept saves, and the
+    #: tensor counted as alive anyway.
+    kept_alive: ReportDelta
+    #: For a quantized save (None for a mask or indices): its slot for the policy.
     slot_info: SlotInfo | None
-    slot_memory: SlotMemory | None
-    #: The plan's :attr:`Plan.kept`, each with its :class:`Outcome`.
-    kept: tuple[tuple[str, int, Outcome], ...]
 
     @classmethod
     def of(cls, plan: str, t: torch.Tensor, parts: list[torch.Tensor]) -> PackedSave:
@@ -135,19 +133,32 @@ class PackedSave(NamedTuple):
 
     @classmethod
     def _work_out(cls, plan: Plan, t: torch.Tensor, parts: list[torch.Tensor]) -> PackedSave:
+        kept_alive = ReportDelta()
+        for module, nbytes, outcome in plan.kept:
+            kept_alive.note(module, Outcome(outcome), None, nbytes, nbytes)
+        kept_alive.counts[Outcome.EXTERNAL.value] = 1
+        delta = ReportDelta()
+        for module, nbytes, outcome in plan.kept:
+            delta.note(module, Outcome(outcome), None, nbytes, nbytes)
         saved = t.numel() * t.element_size()
         stored = sum(p.untyped_storage().nbytes() for p in parts)
-        kept = tuple((module, nbytes, Outcome(outcome)) for module, nbytes, outcome in plan.kept)
         if plan.form in ("mask", "index"):
-            return cls(plan, saved, stored, Outcome.LOSSLESS, plan.form, None, None, kept)
+            delta.note(plan.module, Outcome.LOSSLESS, plan.op, saved, stored).codecs.add(plan.form)
+            return cls(plan, delta, kept_alive, None)
+        memory = delta.note(plan.module, Outcome.COMPRESSED, plan.op, saved, stored)
+        memory.codecs.add("quant")
+        memory.compressed += 1
+        memory.bits.add(plan.bits)
         shape = tuple(t.shape)
+        delta.slots[plan.slot] = SlotMemory(plan.module, shape, plan.bits, saved, stored, "quant", plan.op)
         info = SlotInfo(plan.module, shape, t.numel(), parts[1].shape[0], t.element_size() * 8, plan.op, plan.min_bits)
-        memory = SlotMemory(plan.module, shape, plan.bits, saved, stored, "quant", plan.op)
-        return cls(plan, saved, stored, Outcome.COMPRESSED, "quant", info, memory, kept)
+        return cls(plan, delta, kept_alive, info)
 
 
 _PACKED_SAVES: dict[tuple[str, int], PackedSave] = {}
 _PACKED_SAVES_KEPT = 1 << 14
+#: Sets of packed saves whose sum is kept (a few per graph: the steps' drains repeat).
+_DELTAS_KEPT = 256
 
 _GRAPH_STREAM = 0x6A09E667F3BCC909  # any constant that differs from the eager stream's
 
@@ -261,6 +272,11 @@ _LIBRARY.define("pack_saved_python(Tensor input, str plan) -> Tensor[]")
 _LIBRARY.define(
     "unpack_saved_python(Tensor[] parts, SymInt[] size, SymInt[] stride, ScalarType dtype, str plan) -> Tensor"
 )
+# No autograd: a graph calls them with tensors that need no gradient, and torch's fallback for
+# ops without an autograd kernel, which checks every input and output for that, took about
+# 1.5 us of each call.
+for _op in ("pack_saved", "unpack_saved", "pack_saved_python", "unpack_saved_python"):
+    _LIBRARY.impl(_op, torch.library.fallthrough_kernel, "Autograd")
 
 
 # The parts of a graph input the step keeps alive anyway (its batch), each mapped to that
@@ -285,8 +301,9 @@ def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
             parts = [torch.empty_like(p, device=input.device) if p.is_meta else p
                      for p in _encode(input.detach().to("meta"), parsed, 0)]
             _KEPT_INPUTS[parts[0]] = input.detach()
-            NativeSaves.kept(parts[0])
+            NativeSaves.kept(parts[0], input.detach())
             capture.account_compiled(plan, input, parts, kept_alive=True)
+            NativeSaves.learn(plan, input, parts, capture, kept_alive=True)
             return parts
         # The slot's group axis, or None (memory order) while its survey runs (first step).
         axis = None if parsed.survey is None or capture is None else capture.group_orders.order(parsed.survey, input)
@@ -358,7 +375,9 @@ class NativeSaves:
     owner: ActivationCapture | None = None
     #: By packer id: what one call of that plan at that size adds to the report.
     _entries: list[PackedSave] = []
-    _learned: dict[tuple[str, int, int], int] = {}
+    _learned: dict[tuple[str, int, int, bool], int] = {}
+    #: By the counts of a drain: what they add to the report.
+    _deltas: dict[tuple[int, ...], ReportDelta] = {}
     _decoders: set[str] = set()
 
     @classmethod
@@ -377,12 +396,10 @@ class NativeSaves:
             return
         native = torch.ops.lightning_act
         if cls.owner is not None:
-            counts, stats, stat_ids = native.graph_native_drain()
-            stats_of: dict[int, list[torch.Tensor]] = {}
-            for packer, part in zip(stat_ids, stats):
-                stats_of.setdefault(packer, []).append(part)
-            for packer, count in zip(counts[::2], counts[1::2]):
-                cls.owner.account_packed(cls._entries[packer], count, stats_of.get(packer, []))
+            counts, kept_counts, stats, stat_ids = native.graph_native_drain(cls.owner.estimator is not None)
+            if counts or kept_counts:
+                cls.owner.account_packed(cls._delta(counts, kept_counts), stats,
+                                         [cls._entries[packer] for packer in stat_ids])
         cls.owner = capture if cls.enabled else None
         if cls.owner is None:
             native.graph_native_session(False, 0, [])
@@ -390,47 +407,70 @@ class NativeSaves:
             native.graph_native_session(True, capture.group_orders.token, capture.external_storages())
 
     @classmethod
+    def _delta(cls, counts: list[int], kept_counts: list[int]) -> ReportDelta:
+        """What a drain's counts ((packer id, calls) pairs, flattened: of saves packed, of
+        inputs handed back unwritten) add to the report: summed once per set (a graph packs
+        the same tensors every step)."""
+        key = (tuple(counts), tuple(kept_counts))
+        delta = cls._deltas.get(key)
+        if delta is None:
+            if len(cls._deltas) >= _DELTAS_KEPT:
+                cls._deltas.clear()
+            delta = cls._deltas[key] = ReportDelta()
+            for packer, count in zip(counts[::2], counts[1::2]):
+                delta.add(cls._entries[packer].delta, count)
+            for packer, count in zip(kept_counts[::2], kept_counts[1::2]):
+                delta.add(cls._entries[packer].kept_alive, count)
+        return delta
+
+    @classmethod
     def external(cls, capture: ActivationCapture, storage: int) -> None:
         if cls.owner is capture:
             torch.ops.lightning_act.graph_native_external(storage)
 
     @classmethod
-    def kept(cls, part: torch.Tensor) -> None:
+    def kept(cls, part: torch.Tensor, input: torch.Tensor) -> None:
+        """``part`` stands for ``input`` (kept alive anyway): unpack hands ``input`` back."""
         if cls.loaded():
-            torch.ops.lightning_act.graph_native_kept(part)
+            torch.ops.lightning_act.graph_native_kept(part, input)
 
     @classmethod
-    def learn(cls, plan: str, t: torch.Tensor, parts: list[torch.Tensor], capture: ActivationCapture) -> None:
-        """After Python packed ``t`` by ``plan`` for ``capture``: register what the C++ side
-        can do alone from now on."""
+    def learn(cls, plan: str, t: torch.Tensor, parts: list[torch.Tensor], capture: ActivationCapture,
+              kept_alive: bool = False) -> None:
+        """After Python packed ``t`` by ``plan`` for ``capture`` (or, ``kept_alive``, handed it
+        back unwritten): register what the C++ side can do alone from now on."""
         if cls.owner is not capture:
             return
         parsed = _parse(plan)
-        if parsed.form == "quant" and plan not in cls._decoders:
+        mask = parsed.form == "mask"
+        if parsed.form in ("quant", "mask") and plan not in cls._decoders:
             cls._decoders.add(plan)
-            torch.ops.lightning_act.graph_native_decoder(plan, parsed.bits, parsed.group_size, parsed.survey is not None)
-        if parsed.form not in ("quant", "derivative"):
+            torch.ops.lightning_act.graph_native_decoder(plan, mask, parsed.bits, parsed.group_size,
+                                                         parsed.survey is not None)
+        if parsed.form not in ("quant", "derivative", "mask"):
             return
-        axis = None
+        axis, kept_only = None, False
         if parsed.survey is not None:
             orders = capture.group_orders
             if parsed.survey in orders.axis:
                 axis = orders.axis[parsed.survey]
             elif candidate_axes(t, parsed.group_size):
-                return  # its survey runs: decided when the session stops
+                if not kept_alive:
+                    return  # its survey runs: decided when the session stops
+                kept_only = True  # its survey never ran (an input kept alive needs no axis)
         token = capture.group_orders.token
-        key = (plan, t.numel(), token)
+        key = (plan, t.numel(), token, kept_only)
         if key in cls._learned:
             return
         if len(cls._entries) >= _PACKED_SAVES_KEPT:  # new sizes at every step: dynamic shapes
             cls.follow(cls.owner)  # what was counted under the old ids first
             torch.ops.lightning_act.graph_native_forget_packers()
-            cls._entries, cls._learned = [], {}
+            cls._entries, cls._learned, cls._deltas = [], {}, {}
         cls._learned[key] = packer = len(cls._entries)
         cls._entries.append(PackedSave.of(plan, t, parts))
         torch.ops.lightning_act.graph_native_packer(
-            plan, packer, parsed.bits, parsed.group_size, -1 if axis is None else axis, parsed.survey is not None,
-            t.numel(), token)
+            plan, packer, kept_only, mask, parsed.bits, parsed.group_size, -1 if axis is None else axis,
+            parsed.survey is not None, t.numel(), token)
 
 
 # --------------------------------------------------------------------------- the hook pair

@@ -57,7 +57,14 @@ from lightning_act.capture.records import (
     storage_region,
     unpack,
 )
-from lightning_act.capture.report import OUTSIDE_MODULES, CompressionReport, ModuleMemory, Outcome, SlotMemory
+from lightning_act.capture.report import (
+    OUTSIDE_MODULES,
+    CompressionReport,
+    ModuleMemory,
+    Outcome,
+    ReportDelta,
+    SlotMemory,
+)
 from lightning_act.codecs import (
     DivisionCodec,
     GroupQuantCodec,
@@ -182,9 +189,11 @@ class ActivationCapture:
         self.policy = policy or FixedBits(self.config.bits)
         self.model = model
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-        # The model's modules, listed once: their buffers are marked alive at every start
-        # (read anew, since a module may replace one), without walking the tree each step.
+        # The model's modules, listed once, and their buffer tables (the dicts themselves, so
+        # a buffer a module registers or replaces later is seen): buffers are marked alive at
+        # every start without walking the tree, and with no call for a module that has none.
         self._modules: list[nn.Module] = [] if model is None else list(model.modules())
+        self._buffer_tables = [module._buffers for module in self._modules]
         if model is not None:
             for name, module in model.named_modules():
                 # A compiled module's modules are registered under its wrapper's ``_orig_mod``:
@@ -241,10 +250,11 @@ class ActivationCapture:
             seed = splitmix64(self.config.seed ^ splitmix64(ActivationCapture._sessions_in_process))
         self._reset_session(seed)
         self.mark_external(inputs)
-        for module in self._modules:
-            for buffer in module._buffers.values():
-                if buffer is not None:
-                    self.mark_external(buffer)
+        for table in self._buffer_tables:
+            if table:
+                for buffer in table.values():
+                    if buffer is not None:
+                        self.mark_external(buffer)
         _SharedModuleHooks.register()
         _SharedModuleHooks.capturing.append(self)
         self._tracker.watch(True)
@@ -338,47 +348,27 @@ class ActivationCapture:
         report; ``kept_alive``: one it kept as it is instead (see :meth:`keeps_alive`)."""
         save = PackedSave.of(plan, t, parts)
         if kept_alive:
-            for module, nbytes, outcome in save.kept:
-                self._add_to_report(module, outcome, None, nbytes, nbytes)
-            self._count_uncounted(Outcome.EXTERNAL)
-            return
-        self.account_packed(save, 1, [parts[1]] if save.slot_memory is not None else [])
+            self.report.add(save.kept_alive)
+        elif save.slot_info is None:
+            self.account_packed(save.delta, [], [])
+        else:
+            self.account_packed(save.delta, [parts[1]], [save])
 
-    def account_packed(self, save: PackedSave, count: int, stats: list[torch.Tensor]) -> None:
-        """Add ``count`` calls of one packed save to the report, with the stats of those
-        quantized. Runs per packed tensor per step, or once per plan for what the graph ops'
-        C++ side packed, so what depends only on the plan and the size (bytes, slot, the
-        per-module labels) is worked out once per process (:class:`PackedSave`) and reused."""
-        for module, nbytes, outcome in save.kept:
-            self._add_to_report(module, outcome, None, nbytes, nbytes, count)
-        parsed = save.plan
-        memory = self._add_to_report(parsed.module, save.outcome, parsed.op, save.saved, save.stored, count)
-        memory.codecs.add(save.codec)
-        if save.slot_memory is not None:
-            memory.compressed += count
-            memory.bits.add(parsed.bits)
-            self._stats.extend(stats)
-            if parsed.slot not in self.slots:  # a graph from torch's cache: planned in another process
-                self.slots[parsed.slot] = save.slot_info
-            self.report.slots[parsed.slot] = save.slot_memory
-            if self.estimator is not None:
-                for group_stats in stats:
-                    self.estimator.observe_stats(parsed.slot, parsed.module, group_stats, parsed.bits,
-                                                 parsed.group_size)
-
-    def _add_to_report(self, module: str, outcome: Outcome, op: str | None, saved: int, stored: int,
-                       count: int = 1) -> ModuleMemory:
-        report = self.report
-        report.counts[outcome.value] = report.counts.get(outcome.value, 0) + count
-        memory = report.modules.get(module)
-        if memory is None:
-            memory = report.modules[module] = ModuleMemory()
-        memory.note(outcome, op, count)
-        report.saved_bytes += saved * count
-        memory.saved_bytes += saved * count
-        report.stored_bytes += stored * count
-        memory.stored_bytes += stored * count
-        return memory
+    def account_packed(self, delta: ReportDelta, stats: list[torch.Tensor], quantized: Sequence[PackedSave]) -> None:
+        """Add packed saves to the report. ``delta`` sums them (worked out once per plan, or
+        once per set of plans for what the graph ops' C++ side packed: see
+        :class:`PackedSave`); ``stats`` holds their groups' stats, one tensor per save of
+        ``quantized`` or, where that is empty, concatenated (all the non-finite check needs,
+        while no estimator observes them)."""
+        self.report.add(delta)
+        self._stats.extend(stats)
+        for save in quantized:
+            if save.plan.slot not in self.slots:  # a graph from torch's cache: planned in another process
+                self.slots[save.plan.slot] = save.slot_info
+        if self.estimator is not None:
+            for save, group_stats in zip(quantized, stats):
+                plan = save.plan
+                self.estimator.observe_stats(plan.slot, plan.module, group_stats, plan.bits, plan.group_size)
 
     def _release_records(self) -> None:
         """Count the non-finite groups stored so far and forget the records kept for sharing

@@ -85,6 +85,18 @@ class ModuleMemory:
         if op is not None:
             self.ops.add(op)
 
+    def add(self, other: ModuleMemory, times: int = 1) -> None:
+        """Add ``times`` copies of ``other``'s tensors and bytes."""
+        self.saved_bytes += other.saved_bytes * times
+        self.stored_bytes += other.stored_bytes * times
+        self.tensors += other.tensors * times
+        self.compressed += other.compressed * times
+        self.bits |= other.bits
+        self.codecs |= other.codecs
+        self.ops |= other.ops
+        for outcome, count in other.outcomes.items():
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + count * times
+
     def bits_label(self) -> str:
         """The bit widths used, e.g. ``"2"`` or ``"2,8,exact"`` (``-`` when none applied)."""
         return ",".join(bits_name(b) for b in sorted(self.bits, key=lambda b: 99 if b is None else b)) or "-"
@@ -123,7 +135,53 @@ class SlotMemory:
     op: str | None = None
 
 
-@dataclass
+class ReportDelta:
+    """What a fixed set of saved tensors adds to a report, summed once.
+
+    A compiled graph packs the same tensors at every step, so what they add (bytes, counts,
+    per-module rows, slots) is summed once per set and added to each step's report by
+    :meth:`CompressionReport.add` in a few operations, whatever the number of tensors; the
+    per-module rows are folded in only when :attr:`CompressionReport.modules` is read."""
+
+    def __init__(self) -> None:
+        self.saved_bytes = 0
+        self.stored_bytes = 0
+        self.counts: dict[str, int] = {}
+        self.modules: dict[str, ModuleMemory] = {}
+        self.slots: dict[str, SlotMemory] = {}
+
+    def note(self, module: str, outcome: Outcome, op: str | None, saved: int, stored: int) -> ModuleMemory:
+        """Count one more tensor of ``module``, saved by ``op``, and its bytes."""
+        self.counts[outcome.value] = self.counts.get(outcome.value, 0) + 1
+        memory = self.modules.get(module)
+        if memory is None:
+            memory = self.modules[module] = ModuleMemory()
+        memory.note(outcome, op)
+        memory.saved_bytes += saved
+        memory.stored_bytes += stored
+        self.saved_bytes += saved
+        self.stored_bytes += stored
+        return memory
+
+    def add(self, other: ReportDelta, times: int = 1) -> None:
+        """Add ``times`` copies of ``other``."""
+        self.saved_bytes += other.saved_bytes * times
+        self.stored_bytes += other.stored_bytes * times
+        for outcome, count in other.counts.items():
+            self.counts[outcome] = self.counts.get(outcome, 0) + count * times
+        _add_rows(self.modules, other.modules, times)
+        self.slots.update(other.slots)
+
+
+def _add_rows(rows: dict[str, ModuleMemory], added: dict[str, ModuleMemory], times: int = 1) -> None:
+    for name, memory in added.items():
+        row = rows.get(name)
+        if row is None:
+            row = rows[name] = ModuleMemory()
+        row.add(memory, times)
+
+
+@dataclass(eq=False)
 class CompressionReport:
     """What one captured forward saved for backward, per module and in total.
 
@@ -136,10 +194,30 @@ class CompressionReport:
 
     saved_bytes: int = 0
     stored_bytes: int = 0
-    modules: dict[str, ModuleMemory] = field(default_factory=dict)
     slots: dict[str, SlotMemory] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     nonfinite_groups: torch.Tensor | int = 0
+    _modules: dict[str, ModuleMemory] = field(default_factory=dict, repr=False)
+    #: Added deltas whose per-module rows are not folded into ``_modules`` yet.
+    _unfolded: list[ReportDelta] = field(default_factory=list, repr=False)
+
+    @property
+    def modules(self) -> dict[str, ModuleMemory]:
+        """Per module (by its name in the model), what its saved tensors kept and stored."""
+        if self._unfolded:
+            for delta in self._unfolded:
+                _add_rows(self._modules, delta.modules)
+            self._unfolded.clear()
+        return self._modules
+
+    def add(self, delta: ReportDelta) -> None:
+        """Add what ``delta`` counts: its totals now, its per-module rows when they are read."""
+        self.saved_bytes += delta.saved_bytes
+        self.stored_bytes += delta.stored_bytes
+        for outcome, count in delta.counts.items():
+            self.counts[outcome] = self.counts.get(outcome, 0) + count
+        self.slots.update(delta.slots)
+        self._unfolded.append(delta)
 
     @property
     def ratio(self) -> float:
