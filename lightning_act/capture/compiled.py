@@ -180,7 +180,7 @@ class SeedStream:
         engine = _engine()
         cls.base, cls.count = engine.splitmix64(seed ^ _GRAPH_STREAM), 0
         if NativeSaves.loaded():
-            torch.ops.lightning_act.graph_native_seeds(_signed64(cls.base), 0)
+            torch.ops.lightning_act.graph_native_seeds.default(_signed64(cls.base), 0)
 
     @classmethod
     def next(cls) -> int:
@@ -396,15 +396,15 @@ class NativeSaves:
             return
         native = torch.ops.lightning_act
         if cls.owner is not None:
-            counts, kept_counts, stats, stat_ids = native.graph_native_drain(cls.owner.estimator is not None)
+            counts, kept_counts, stats, stat_ids = native.graph_native_drain.default(cls.owner.estimator is not None)
             if counts or kept_counts:
                 cls.owner.account_packed(cls._delta(counts, kept_counts), stats,
                                          [cls._entries[packer] for packer in stat_ids])
         cls.owner = capture if cls.enabled else None
         if cls.owner is None:
-            native.graph_native_session(False, 0, [])
+            native.graph_native_session.default(False, 0, [])
         else:
-            native.graph_native_session(True, capture.group_orders.token, capture.external_storages())
+            native.graph_native_session.default(True, capture.group_orders.token, capture.external_storages())
 
     @classmethod
     def _delta(cls, counts: list[int], kept_counts: list[int]) -> ReportDelta:

@@ -257,7 +257,6 @@ class ActivationCapture:
                         self.mark_external(buffer)
         _SharedModuleHooks.register()
         _SharedModuleHooks.capturing.append(self)
-        self._tracker.watch(True)
         SeedStream.restart(seed)
         NativeSaves.follow(self)
         # Graph inputs are hooked too (an activation an earlier graph passed on at a graph
@@ -268,6 +267,7 @@ class ActivationCapture:
         hooks = GraphHooks.of(self._settings_state())
         self._hooks = torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
         self._hooks.__enter__()
+        self._tracker.watch(True)  # last: the calls above are the library's own
         self._active = True
         self._paused = False
 
@@ -375,9 +375,11 @@ class ActivationCapture:
         copies between saves: from now on autograd alone holds each record, so backward frees
         it right after the node that reads it, instead of all of them at the end of the step."""
         if self._stats:
-            found = count_nonfinite_groups(torch.cat([s[:, :1] for s in self._stats]))
-            self.report.nonfinite_groups = self.report.nonfinite_groups + found
-            self.total_nonfinite_groups = self.total_nonfinite_groups + found
+            with torch._C.DisableTorchFunction():  # the library's own ops: no op tracker
+                stats = self._stats[0] if len(self._stats) == 1 else torch.cat([s[:, :1] for s in self._stats])
+                found = count_nonfinite_groups(stats)
+                self.report.nonfinite_groups = self.report.nonfinite_groups + found
+                self.total_nonfinite_groups = self.total_nonfinite_groups + found
         self._stats = []
         self._dedup = {}
 
