@@ -529,6 +529,9 @@ def environment(device: torch.device) -> dict:
     import torch_geometric
     import torchvision
 
+    # The kernels loaded (built where needed) before they are recorded: the run's first op
+    # would load them anyway, and read before it the record said False for kernels it used.
+    ensure_kernels(device)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         memory = torch.cuda.get_device_properties(device).total_memory

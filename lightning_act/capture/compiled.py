@@ -133,13 +133,9 @@ class PackedSave(NamedTuple):
 
     @classmethod
     def _work_out(cls, plan: Plan, t: torch.Tensor, parts: list[torch.Tensor]) -> PackedSave:
-        kept_alive = ReportDelta()
-        for module, nbytes, outcome in plan.kept:
-            kept_alive.note(module, Outcome(outcome), None, nbytes, nbytes)
+        kept_alive = cls._carried(plan)
         kept_alive.counts[Outcome.EXTERNAL.value] = 1
-        delta = ReportDelta()
-        for module, nbytes, outcome in plan.kept:
-            delta.note(module, Outcome(outcome), None, nbytes, nbytes)
+        delta = cls._carried(plan)
         saved = t.numel() * t.element_size()
         stored = sum(p.untyped_storage().nbytes() for p in parts)
         if plan.form in ("mask", "index"):
@@ -153,6 +149,14 @@ class PackedSave(NamedTuple):
         delta.slots[plan.slot] = SlotMemory(plan.module, shape, plan.bits, saved, stored, "quant", plan.op)
         info = SlotInfo(plan.module, shape, t.numel(), parts[1].shape[0], t.element_size() * 8, plan.op, plan.min_bits)
         return cls(plan, delta, kept_alive, info)
+
+    @staticmethod
+    def _carried(plan: Plan) -> ReportDelta:
+        """The graph's saves kept as they are that ``plan`` carries into the report."""
+        delta = ReportDelta()
+        for module, nbytes, outcome in plan.kept:
+            delta.note(module, Outcome(outcome), None, nbytes, nbytes)
+        return delta
 
 
 _PACKED_SAVES: dict[tuple[str, int], PackedSave] = {}
@@ -360,12 +364,14 @@ class NativeSaves:
     saved tensor, and counts them for the report.
 
     What it needs from Python, Python hands it: each plan it may pack alone (quantized, in
-    memory order or along its decided group axis) and decode alone (quantized), the capture
-    capturing now (its kept-alive storages and the token of its group axes), the seed stream,
-    the unwritten parts of handed-back inputs. At every change of the capture capturing now
-    (start, stop, pause, resume) what it counted is added to the report of the capture it
-    counted for. Without the CPU kernels (``LIGHTNING_ACT_KERNELS=reference``, a failed
-    build) Python serves every call, the same bits, slower.
+    memory order or along its decided group axis, or a mask; or only hand back, unwritten, an
+    input the session keeps alive) and decode alone (quantized, a mask), the capture capturing
+    now (its kept-alive storages and the token of its group axes), the seed stream, the
+    unwritten parts of the inputs Python handed back. At every change of the capture
+    capturing now (start, stop, pause, resume) what it counted is added to the report of the
+    capture it counted for, summed once per set of counts (:meth:`_delta`). Without the CPU
+    kernels (``LIGHTNING_ACT_KERNELS=reference``, a failed build) Python serves every call,
+    the same bits, slower.
     """
 
     #: Off: Python serves every call (to compare the two, and while diagnosing).
