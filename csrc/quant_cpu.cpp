@@ -144,7 +144,7 @@ LIGHTNING_ACT_ALWAYS_INLINE void for_each_column_run(const ColumnMajorOrder& ord
 // cache, and at least the group's. Where rows lie a 4 KiB page or more apart (float32),
 // every row a tile visits costs an address translation, and a tall matrix's rows outnumber
 // what the TLB holds: there a tile takes 64 columns (a quarter of a page per row), up to an
-// L2-sized tile. Cora's 2708 x 1433 features unpacked 2.5-4x faster so.
+// L2-sized tile. Cora's 2708 x 1433 features unpacked 2-3.5x faster so.
 inline int64_t tile_columns(const ColumnMajorOrder& order, const ColumnMajorCursor& cursor, int64_t count) {
   const bool rows_pages_apart = order.columns >= 1024;
   const int64_t line_columns = rows_pages_apart ? 64 : 16;
