@@ -3,13 +3,14 @@
 //
 // They run once per saved tensor per step, so the common case stays in C++: a plan the
 // Python implementation (lightning_act/capture/compiled.py) has already handled once and
-// registered here as a "packer" (groups in memory order or along a decided axis, or a mask)
+// registered here as a "packer" (groups in memory order or along a decided axis, a mask,
+// integers in fewer bits)
 // is packed with the next seed of the graph seed stream, counted, and its stats kept for the
 // session's report, all without Python; so is a registered plan's tensor whose storage the
 // session keeps alive anyway (its batch), which is handed back as it is. Everything else goes
 // to that Python implementation, through the ops pack_saved_python / unpack_saved_python:
-// plans not registered yet (the first call of each, a survey still running), integer saves,
-// the decoding of derivative saves, and any call while no session is capturing. Python reads
+// plans not registered yet (the first call of each, a survey still running), the decoding
+// of derivative saves, and any call while no session is capturing. Python reads
 // the counts at the end of the session (graph_native_drain).
 //
 // The quantizer is called through the dispatcher, so a CUDA tensor goes to the CUDA kernels
@@ -32,24 +33,31 @@
 namespace lightning_act {
 namespace {
 
-// How a registered plan packs: a ``mask`` 8 values to a byte (lightning_act.ops.layout's
-// planar bit fields), else quantized, ``axis`` -1 for memory order; ``survey`` plans return
-// a third part, the matrices (rows, columns) the groups were read as. A ``kept_only`` plan
-// (its survey undecided) serves only inputs kept alive, which it hands back unwritten.
+// What a plan stores: Plan.form of lightning_act.capture.compiled.
+enum Form : int64_t { kQuant = 0, kMask = 1, kIndex = 2 };
+
+// How a registered plan packs: quantized (``axis`` -1 for memory order; ``survey`` plans
+// return a third part, the matrices (rows, columns) the groups were read as), a mask 8
+// values to a byte, or integers as ``value - offset`` in ``bits`` (IndexCodec's layout).
+// Masks and narrow integers go in lightning_act.ops.layout's planar bit fields. A
+// ``kept_only`` plan (its survey undecided) serves only inputs kept alive, which it hands
+// back unwritten.
 struct Packer {
   int64_t id;
   bool kept_only;
-  bool mask;
+  int64_t form;
   int64_t bits;
   int64_t group_size;
   int64_t axis;
   bool survey;
   int64_t numel;
   int64_t token;
+  int64_t offset;
 };
 
 struct Decoder {
-  bool mask;
+  int64_t form;
+  int64_t offset;
   int64_t bits;
   int64_t group_size;
   bool survey;
@@ -143,7 +151,8 @@ bool memory_order(at::IntArrayRef size, at::IntArrayRef stride) {
 }
 
 // x's values in the order restore() puts them back in: lightning_act.capture.compiled._flat
-// (the quantizer reads a contiguous tensor of any shape as its values in order).
+// (the quantizer reads a contiguous tensor of any shape as its values in order; other
+// encoders view it as 1-D).
 at::Tensor flat(const at::Tensor& x) {
   if (x.is_contiguous()) return x;
   if (memory_order(x.sizes(), x.strides())) return x.as_strided({x.numel()}, {1});
@@ -176,34 +185,64 @@ at::Tensor restore(const at::Tensor& flat_values, at::IntArrayRef size, at::IntA
   return at::empty_strided(size, stride, flat_values.options()).copy_(flat_values.view(size));
 }
 
-// A bool tensor's values 8 to a byte, in planar bit fields: pack_bit_fields(..., 1, planar=True)
-// of lightning_act.ops.layout, op for op, so the bytes are the same.
-at::Tensor pack_mask(const at::Tensor& input) {
-  at::Tensor codes = flat(input).view(at::kByte);
-  const int64_t padding = (8 - codes.numel() % 8) % 8;
+// uint8 codes below 2**bits, packed 8 / bits to a byte in planar bit fields:
+// pack_bit_fields(codes, bits, planar=True) of lightning_act.ops.layout, op for op, so the
+// bytes are the same.
+at::Tensor pack_bit_fields(at::Tensor codes, int64_t bits) {
+  if (bits == 8) return codes;
+  const int64_t per_byte = 8 / bits;
+  const int64_t padding = (per_byte - codes.numel() % per_byte) % per_byte;
   if (padding > 0) codes = at::cat({codes, at::zeros({padding}, codes.options())});
-  const at::Tensor fields = codes.view({8, -1});
+  const at::Tensor fields = codes.view({per_byte, -1});
   at::Tensor packed = fields[0].clone();
-  for (int64_t field = 1; field < 8; ++field) packed.bitwise_or_(fields[field].bitwise_left_shift(field));
+  for (int64_t field = 1; field < per_byte; ++field) {
+    packed.bitwise_or_(fields[field].bitwise_left_shift(field * bits));
+  }
   return packed;
 }
 
-// pack_mask's inverse: unpack_bit_fields(packed, 1, planar=True, numel) as bools.
-at::Tensor unpack_mask(const at::Tensor& packed, int64_t numel) {
-  at::Tensor codes = at::empty({packed.numel() * 8}, packed.options());
-  const at::Tensor fields = codes.view({8, -1});
-  for (int64_t field = 0; field < 8; ++field) {
+// pack_bit_fields' inverse: unpack_bit_fields(packed, bits, planar=True, numel).
+at::Tensor unpack_bit_fields(const at::Tensor& packed, int64_t bits, int64_t numel) {
+  if (bits == 8) return packed.narrow(0, 0, numel);
+  const int64_t per_byte = 8 / bits;
+  at::Tensor codes = at::empty({packed.numel() * per_byte}, packed.options());
+  const at::Tensor fields = codes.view({per_byte, -1});
+  for (int64_t field = 0; field < per_byte; ++field) {
     at::Tensor out = fields[field];
-    at::bitwise_and_out(out, packed.bitwise_right_shift(field), 1);
+    at::bitwise_and_out(out, packed.bitwise_right_shift(field * bits), (1 << bits) - 1);
   }
-  return codes.narrow(0, 0, numel).view(at::kBool);
+  return codes.narrow(0, 0, numel);
+}
+
+// The widths whose codes are signed integers of their own (IndexCodec's _WIDE_CODE_DTYPES).
+bool wide_index(int64_t bits) { return bits == 16 || bits == 32; }
+
+// IndexCodec.pack of lightning_act.codecs.exact for an integer tensor whose values lie in
+// [offset, offset + 2**bits), op for op: narrow codes keep the value mod 256 (uint8
+// conversion and subtraction both wrap), wide ones are centred in a signed dtype.
+at::Tensor pack_index(const at::Tensor& input, int64_t bits, int64_t offset) {
+  const at::Tensor values = flat(input).view({-1});
+  if (wide_index(bits)) return (values - offset).to(bits == 16 ? at::kShort : at::kInt);
+  return pack_bit_fields(values.to(at::kByte) - ((offset % 256) + 256) % 256, bits);
+}
+
+// IndexTensor.unpack: the integers pack_index stored, in ``dtype``, in memory order.
+at::Tensor unpack_index(const at::Tensor& codes, int64_t bits, int64_t offset, int64_t numel, at::ScalarType dtype) {
+  at::Tensor values = (wide_index(bits) ? codes : unpack_bit_fields(codes, bits, numel)).to(dtype);
+  values += offset;
+  return values;
 }
 
 // Parts of the packer's sizes, unwritten: what a kept-alive input's save returns (the graph
 // checks its outputs' sizes), all unpack needs being the first part's identity.
 std::vector<at::Tensor> unwritten_parts(const Packer& packer, const at::Tensor& input) {
   const auto options = input.options();
-  if (packer.mask) return {at::empty({(input.numel() + 7) / 8}, options.dtype(at::kByte))};
+  if (packer.form == kMask) return {at::empty({(input.numel() + 7) / 8}, options.dtype(at::kByte))};
+  if (packer.form == kIndex) {
+    if (wide_index(packer.bits)) return {at::empty({input.numel()}, options.dtype(packer.bits == 16 ? at::kShort : at::kInt))};
+    const int64_t per_byte = 8 / packer.bits;
+    return {at::empty({(input.numel() + per_byte - 1) / per_byte}, options.dtype(at::kByte))};
+  }
   auto [codes, stats] = empty_codes_and_stats(input.numel(), packer.bits, packer.group_size, options);
   if (!packer.survey) return {codes, stats};
   return {codes, stats, at::zeros({2}, at::dtype(at::kLong))};
@@ -250,8 +289,10 @@ std::vector<at::Tensor> pack_saved(const at::Tensor& input, c10::string_view pla
     return parts;
   }
   std::vector<at::Tensor> parts;
-  if (packer.mask) {
-    parts = {pack_mask(input)};
+  if (packer.form == kMask) {
+    parts = {pack_bit_fields(flat(input).view({-1}).view(at::kByte), 1)};
+  } else if (packer.form == kIndex) {
+    parts = {pack_index(input, packer.bits, packer.offset)};
   } else if (!packer.survey) {
     auto [codes, stats] = quantize_pack_op().call(flat(input), packer.bits, packer.group_size, seed, false);
     parts = {codes, stats};
@@ -274,7 +315,7 @@ std::vector<at::Tensor> pack_saved(const at::Tensor& input, c10::string_view pla
   }
   std::lock_guard<std::mutex> lock(s.mutex);
   count_locked(s.counts, packer.id);
-  if (!packer.mask) {
+  if (packer.form == kQuant) {
     s.stats.push_back(parts[1]);
     s.stat_ids.push_back(packer.id);
   }
@@ -301,7 +342,10 @@ at::Tensor unpack_saved(at::TensorList parts, c10::SymIntArrayRef sym_size, c10:
   const at::IntArrayRef size = C10_AS_INTARRAYREF_SLOW(sym_size), stride = C10_AS_INTARRAYREF_SLOW(sym_stride);
   int64_t numel = 1;
   for (const int64_t length : size) numel *= length;
-  if (decoder.mask) return restore(unpack_mask(parts[0], numel), size, stride);
+  if (decoder.form == kMask) return restore(unpack_bit_fields(parts[0], 1, numel).view(at::kBool), size, stride);
+  if (decoder.form == kIndex) {
+    return restore(unpack_index(parts[0], decoder.bits, decoder.offset, numel, dtype), size, stride);
+  }
   int64_t rows = 0, columns = 0;
   if (decoder.survey) {  // the matrices' shape, on the host
     const int64_t* shape = parts[2].data_ptr<int64_t>();
@@ -342,17 +386,18 @@ int64_t native_next_seed() {
   return next_seed_locked(s);
 }
 
-void native_packer(c10::string_view plan, int64_t id, bool kept_only, bool mask, int64_t bits, int64_t group_size,
-                   int64_t axis, bool survey, int64_t numel, int64_t token) {
+void native_packer(c10::string_view plan, int64_t id, bool kept_only, int64_t form, int64_t bits, int64_t group_size,
+                   int64_t axis, bool survey, int64_t numel, int64_t token, int64_t offset) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.packers[std::string(plan)] = Packer{id, kept_only, mask, bits, group_size, axis, survey, numel, token};
+  s.packers[std::string(plan)] = Packer{id, kept_only, form, bits, group_size, axis, survey, numel, token, offset};
 }
 
-void native_decoder(c10::string_view plan, bool mask, int64_t bits, int64_t group_size, bool survey) {
+void native_decoder(c10::string_view plan, int64_t form, int64_t bits, int64_t group_size, bool survey,
+                    int64_t offset) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.decoders[std::string(plan)] = Decoder{mask, bits, group_size, survey};
+  s.decoders[std::string(plan)] = Decoder{form, offset, bits, group_size, survey};
 }
 
 void native_kept(const at::Tensor& part, const at::Tensor& input) {
@@ -420,10 +465,11 @@ TORCH_LIBRARY_FRAGMENT(lightning_act, m) {
   m.def("graph_native_external(int storage) -> ()", &native_external);
   m.def("graph_native_seeds(int base, int count) -> ()", &native_seeds);
   m.def("graph_native_next_seed() -> int", &native_next_seed);
-  m.def("graph_native_packer(str plan, int id, bool kept_only, bool mask, int bits, int group_size, int axis, "
-        "bool survey, int numel, int token) -> ()",
+  m.def("graph_native_packer(str plan, int id, bool kept_only, int form, int bits, int group_size, int axis, "
+        "bool survey, int numel, int token, int offset) -> ()",
         &native_packer);
-  m.def("graph_native_decoder(str plan, bool mask, int bits, int group_size, bool survey) -> ()", &native_decoder);
+  m.def("graph_native_decoder(str plan, int form, int bits, int group_size, bool survey, int offset) -> ()",
+        &native_decoder);
   m.def("graph_native_kept(Tensor part, Tensor input) -> ()", &native_kept);
   m.def("graph_native_drain(bool each) -> (int[] counts, int[] kept_counts, Tensor[] stats, int[] stat_ids)",
         &native_drain);

@@ -389,6 +389,52 @@ def test_an_index_a_compiled_graph_saves_is_stored_in_fewer_bits_exactly():
     assert index_bound(rows[1]) == (0, 2)
 
 
+@pytest.mark.parametrize("nodes", [3, 12, 300])  # codes of 4, 8 and 16 bits
+def test_the_graph_ops_c_side_stores_indices_as_python_does(nodes):
+    """An index save is packed and unpacked by the C++ side once Python has served it: the
+    same codes (the same gradient, bit for bit, on one thread: inductor's scatter-add sums
+    in another order on two) in every width, and no Python call left."""
+    from lightning_act import ops
+    from lightning_act.capture.compiled import NativeSaves
+
+    ops.ensure_kernels("cpu")
+    if not ops.loaded_kernels()["cpu"]:
+        pytest.skip("the CPU kernels did not build")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    x, edge_index = torch.randn(nodes, 16), torch.randint(0, nodes, (2, 500), generator=torch.Generator().manual_seed(1))
+
+    def train(native: bool):
+        NativeSaves.enabled = native
+        torch._dynamo.reset()
+        model = seeded(Propagate, nodes)
+        run = torch.compile(model, backend="inductor")
+        capture = ActivationCapture(CompressionConfig(bits=4, min_numel=1), model)
+        grads = []
+
+        def one_step():
+            model.zero_grad()
+            with capture.capturing(inputs=x, seed=len(grads)):
+                loss = run(x, edge_index.clone()).square().sum()  # a copy: not the batch, stored
+            loss.backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+            assert capture.report.counts["lossless"] == 1
+
+        for _ in range(3):
+            one_step()
+        return grads, graph_op_calls(one_step)
+
+    try:
+        python, _ = train(native=False)
+        native, calls = train(native=True)
+    finally:
+        NativeSaves.enabled = True
+        torch.set_num_threads(threads)
+    for got, want in zip(native, python):
+        assert torch.equal(got, want)
+    assert calls["pack_saved"] >= 2 and calls["pack_saved_python"] == calls["unpack_saved_python"] == 0, calls
+
+
 class CompiledInside(MLP):
     def __init__(self):
         super().__init__()
@@ -568,13 +614,13 @@ def test_the_graph_ops_c_side_packs_as_python_does_with_no_python_after_the_firs
     ops.ensure_kernels("cpu")
     if not ops.loaded_kernels()["cpu"]:
         pytest.skip("the CPU kernels did not build")
-    x, y = torch.randn(4, 16, 32), torch.randint(0, 10, (4,))
+    x, y = torch.randn(5, 17, 32), torch.randint(0, 10, (5,))  # a mask of 5 * 17 * 63 values: not whole bytes
 
     def train(native: bool):
         NativeSaves.enabled = native
         torch._dynamo.reset()
         # No dropout: the graph's only noise is the library's. The ReLU saves a mask.
-        model = seeded(lambda: nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), AttentionBlock())).eval()
+        model = seeded(lambda: nn.Sequential(nn.Linear(32, 63), nn.ReLU(), nn.Linear(63, 32), AttentionBlock())).eval()
         run = torch.compile(model, backend="inductor")
         capture = ActivationCapture(CompressionConfig(bits=2, group_order=group_order), model)
         results = []

@@ -161,6 +161,9 @@ class PackedSave(NamedTuple):
 
 _PACKED_SAVES: dict[tuple[str, int], PackedSave] = {}
 _PACKED_SAVES_KEPT = 1 << 14
+#: The C++ side's code of each plan form (a derivative save packs as a quantized one; its
+#: decoding stays in Python).
+_NATIVE_FORMS = {"quant": 0, "derivative": 0, "mask": 1, "index": 2}
 #: Sets of packed saves whose sum is kept (a few per graph: the steps' drains repeat).
 _DELTAS_KEPT = 256
 
@@ -448,13 +451,13 @@ class NativeSaves:
         if cls.owner is not capture:
             return
         parsed = _parse(plan)
-        mask = parsed.form == "mask"
-        if parsed.form in ("quant", "mask") and plan not in cls._decoders:
+        form, bits, offset = _NATIVE_FORMS[parsed.form], parsed.bits, 0
+        if parsed.form == "index":
+            bits, offset = index_layout(*parsed.index_range, t.dtype)
+        if parsed.form != "derivative" and plan not in cls._decoders:
             cls._decoders.add(plan)
-            torch.ops.lightning_act.graph_native_decoder(plan, mask, parsed.bits, parsed.group_size,
-                                                         parsed.survey is not None)
-        if parsed.form not in ("quant", "derivative", "mask"):
-            return
+            torch.ops.lightning_act.graph_native_decoder(plan, form, bits, parsed.group_size,
+                                                         parsed.survey is not None, offset)
         axis, kept_only = None, False
         if parsed.survey is not None:
             orders = capture.group_orders
@@ -475,8 +478,8 @@ class NativeSaves:
         cls._learned[key] = packer = len(cls._entries)
         cls._entries.append(PackedSave.of(plan, t, parts))
         torch.ops.lightning_act.graph_native_packer(
-            plan, packer, kept_only, mask, parsed.bits, parsed.group_size, -1 if axis is None else axis,
-            parsed.survey is not None, t.numel(), token)
+            plan, packer, kept_only, form, bits, parsed.group_size, -1 if axis is None else axis,
+            parsed.survey is not None, t.numel(), token, offset)
 
 
 # --------------------------------------------------------------------------- the hook pair
