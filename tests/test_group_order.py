@@ -159,7 +159,9 @@ def test_attention_heads_group_along_the_tokens_two_axes_before_the_last(generat
     assert record.matrix == (64, 64)
     decoded = record.unpack()
     assert decoded.shape == x.shape
-    assert (decoded - x).square().sum() < 0.6 * (quant.GroupQuantCodec(256).pack(x, 2, 7).unpack() - x).square().sum()
+    # About half memory order's noise (0.49 on average over 1000 random inputs, sd 0.044,
+    # at most 0.65): 0.75 is six deviations off.
+    assert (decoded - x).square().sum() < 0.75 * (quant.GroupQuantCodec(256).pack(x, 2, 7).unpack() - x).square().sum()
 
 
 def test_range_energy_sums_squared_group_ranges():
