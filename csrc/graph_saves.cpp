@@ -4,14 +4,13 @@
 // They run once per saved tensor per step, so the common case stays in C++: a plan the
 // Python implementation (lightning_act/capture/compiled.py) has already handled once and
 // registered here as a "packer" (groups in memory order or along a decided axis, a mask,
-// integers in fewer bits)
-// is packed with the next seed of the graph seed stream, counted, and its stats kept for the
-// session's report, all without Python; so is a registered plan's tensor whose storage the
-// session keeps alive anyway (its batch), which is handed back as it is. Everything else goes
-// to that Python implementation, through the ops pack_saved_python / unpack_saved_python:
-// plans not registered yet (the first call of each, a survey still running), the decoding
-// of derivative saves, and any call while no session is capturing. Python reads
-// the counts at the end of the session (graph_native_drain).
+// integers in fewer bits) is packed with the next seed of the graph seed stream, counted,
+// and its stats kept for the session's report, all without Python; so is a registered
+// plan's tensor whose storage the session keeps alive anyway (its batch), which is handed
+// back as it is. Everything else goes to that Python implementation, through the ops
+// pack_saved_python / unpack_saved_python: plans not registered yet (the first call of each,
+// a survey still running), the decoding of derivative saves, and any call while no session
+// is capturing. Python reads the counts at the end of the session (graph_native_drain).
 //
 // The quantizer is called through the dispatcher, so a CUDA tensor goes to the CUDA kernels
 // (or to the reference where they did not build), exactly as from Python.
@@ -26,6 +25,7 @@
 #include <tuple>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "quant_args.h"
@@ -113,8 +113,8 @@ void forget_dead_kept_locked(State& s) {
 
 void keep_locked(State& s, const at::Tensor& part, const at::Tensor& input) {
   forget_dead_kept_locked(s);
-  s.kept_parts.insert_or_assign(part.unsafeGetTensorImpl(),
-                                std::make_pair(c10::weak_intrusive_ptr<c10::TensorImpl>(part.getIntrusivePtr()), input));
+  c10::weak_intrusive_ptr<c10::TensorImpl> watched(part.getIntrusivePtr());
+  s.kept_parts.insert_or_assign(part.unsafeGetTensorImpl(), std::make_pair(std::move(watched), input));
 }
 
 void count_locked(std::vector<int64_t>& counts, int64_t id) {
@@ -178,8 +178,8 @@ unpack_dequantize_op() {
   return op;
 }
 
-// The tensor sizes and strides describe, from its values in memory order: restore() of
-// lightning_act.capture.compiled.
+// The tensor of sizes and strides ``size`` and ``stride`` from its values in memory order:
+// _restore() of lightning_act.capture.compiled.
 at::Tensor restore(const at::Tensor& flat_values, at::IntArrayRef size, at::IntArrayRef stride) {
   if (memory_order(size, stride)) return flat_values.as_strided(size, stride);
   return at::empty_strided(size, stride, flat_values.options()).copy_(flat_values.view(size));
@@ -239,7 +239,9 @@ std::vector<at::Tensor> unwritten_parts(const Packer& packer, const at::Tensor& 
   const auto options = input.options();
   if (packer.form == kMask) return {at::empty({(input.numel() + 7) / 8}, options.dtype(at::kByte))};
   if (packer.form == kIndex) {
-    if (wide_index(packer.bits)) return {at::empty({input.numel()}, options.dtype(packer.bits == 16 ? at::kShort : at::kInt))};
+    if (wide_index(packer.bits)) {
+      return {at::empty({input.numel()}, options.dtype(packer.bits == 16 ? at::kShort : at::kInt))};
+    }
     const int64_t per_byte = 8 / packer.bits;
     return {at::empty({(input.numel() + per_byte - 1) / per_byte}, options.dtype(at::kByte))};
   }
