@@ -195,10 +195,13 @@ LIGHTNING_ACT_ALWAYS_INLINE void encode_codes(const float* values, int64_t count
   const uint32_t noise_key = run_key(key, first_index);
   const uint32_t n = static_cast<uint32_t>(count);  // a 32-bit index vectorises with 32-bit lanes
   for (uint32_t i = 0; i < n; ++i) {
-    const float noise = run_noise(noise_key, first_index + i);
-    const uint32_t code = kPositiveStep
-                              ? encode_with_step(values[i], low, step, max_level, kZeroPreserving, noise)
-                              : code_of_level(add_rn(0.0f, noise), values[i], max_level, kZeroPreserving);
+    // With a zero step a value's level is its noise alone, in [0, 1), which truncates to 0
+    // whatever it is: such a group (every value equal, or one positive value besides zeros,
+    // e.g. binary features) draws none.
+    const uint32_t code =
+        kPositiveStep ? encode_with_step(values[i], low, step, max_level, kZeroPreserving,
+                                         run_noise(noise_key, first_index + i))
+                      : code_of_level(0.0f, values[i], max_level, kZeroPreserving);
     codes[i] = static_cast<uint8_t>(code);
   }
 }

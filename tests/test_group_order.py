@@ -6,8 +6,9 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from lightning_act import ActivationCapture, CompressionConfig, compress_activations, ops
-from lightning_act.capture.group_order import GroupOrders, range_energy
+from lightning_act.capture.group_order import GroupOrders
 from lightning_act.codecs import quant
+from lightning_act.ops.reference import rounding_variance
 from lightning_act.policy import FixedBits
 
 
@@ -152,7 +153,7 @@ def test_attention_heads_group_along_the_tokens_two_axes_before_the_last(generat
     x = torch.randn(4, 64, 4, 16, generator=generator)
     x[..., 3] *= 50.0
     orders = GroupOrders(256)
-    assert orders.order("attn#0", x) is None  # memory order while undecided
+    assert orders.order("attn#0", x, 2) is None  # memory order while undecided
     orders.settle()
     assert orders.axis == {"attn#0": 1}
     record = quant.GroupQuantCodec(256).pack(x, 2, 7, group_axis=1)
@@ -164,9 +165,41 @@ def test_attention_heads_group_along_the_tokens_two_axes_before_the_last(generat
     assert (decoded - x).square().sum() < 0.75 * (quant.GroupQuantCodec(256).pack(x, 2, 7).unpack() - x).square().sum()
 
 
-def test_range_energy_sums_squared_group_ranges():
-    values = torch.tensor([0.0, 1.0, 3.0, 4.0, 10.0, 10.0, -2.0, 0.0, 99.0])  # the ragged tail is left out
-    assert range_energy(values, 2).item() == 1.0 + 1.0 + 0.0 + 4.0
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_the_survey_expects_the_noise_the_quantizer_puts_in(generator, bits):
+    """Mixed signs, ReLU-like groups (zero-preserving) and a constant group: the expected
+    squared error against the kernels' mean over 64 seeds."""
+    x = torch.randn(16, 256, generator=generator) * torch.logspace(-2, 2, 16)[:, None]
+    x[4:9] = x[4:9].clamp_min(0.0)
+    x[12] = 3.0
+    x = x.view(-1)
+    errors = []
+    for seed in range(64):
+        codes, stats = ops.quantize_pack(x, bits, 256, seed)
+        errors.append((ops.unpack_dequantize(codes, stats, bits, 256, x.numel(), x.dtype) - x).square().sum())
+    measured = torch.stack(errors)
+    # The mean of 64 draws is within a few of its standard errors of the expectation.
+    assert abs(measured.mean() - rounding_variance(x, bits, 256)) < 4 * measured.std() / 8
+
+
+def test_values_on_the_grid_cost_nothing_so_binary_features_keep_memory_order(generator):
+    """Bag-of-words features after dropout take two values: every group stores them exactly
+    along either axis, though their ranges would favour the words' axis (rare words' groups
+    are all zeros)."""
+    words = torch.rand(1433, generator=generator) ** 4 * 0.05  # a few common words, many rare
+    x = (torch.rand(2048, 1433, generator=generator) < words).float() * 2.0
+    def squared_ranges(values):
+        groups = values.reshape(-1, 256)
+        return (groups.amax(dim=1) - groups.amin(dim=1)).square().sum()
+
+    assert squared_ranges(x.t()) < 0.9 * squared_ranges(x)  # what the ranges alone would choose
+    assert rounding_variance(x.view(-1), 2, 256) == 0.0
+    orders = GroupOrders(256)
+    orders.order("features#0", x, 2)
+    orders.settle()
+    assert orders.axis == {"features#0": None}
+    codes, stats = ops.quantize_pack(x, 2, 256, 3)
+    assert torch.equal(ops.unpack_dequantize(codes, stats, 2, 256, x.numel(), x.dtype).view_as(x), x)
 
 
 def test_group_order_is_validated():

@@ -32,12 +32,14 @@ def _segment(kind: str, numel: int, g: torch.Generator) -> torch.Tensor:
         return normal * 1.0e-39 + torch.randint(-1, 2, (numel,), generator=g) * 1.0e-38
     if kind == "constant":  # zero step wherever a group falls inside the segment
         return torch.full((numel,), float(normal[0]))
+    if kind == "binary":  # zeros and one positive value (dropped binary features): zero step
+        return (torch.rand(numel, generator=g) < 0.05).float() * float(normal[0].abs() + 0.1)
     if kind == "integers":  # ties and exact grid points
         return torch.randint(-4, 5, (numel,), generator=g).float()
     raise ValueError(kind)
 
 
-_KINDS = ("mixed_signs", "relu", "positive", "large_offset", "tiny", "constant", "integers")
+_KINDS = ("mixed_signs", "relu", "positive", "large_offset", "tiny", "constant", "binary", "integers")
 
 
 def random_input(numel: int, dtype: torch.dtype, g: torch.Generator, nonfinite: bool = True) -> torch.Tensor:

@@ -313,7 +313,7 @@ def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
             NativeSaves.learn(plan, input, parts, capture, kept_alive=True)
             return parts
         # The slot's group axis, or None (memory order) while its survey runs (first step).
-        axis = None if parsed.survey is None or capture is None else capture.group_orders.order(parsed.survey, input)
+        axis = None if parsed.survey is None or capture is None else capture.group_orders.order(parsed.survey, input, parsed.bits)
         parts = _encode(input, parsed, SeedStream.next(), axis)
         if capture is not None:
             capture.account_compiled(plan, input, parts)
@@ -672,7 +672,7 @@ class CheaperSaves:
         capture = _capturing()
         if capture is None or checkpointed:
             return forward, backward
-        bits = _session_bits(capture)
+        bits = capture.nominal_bits
         cost, promote = _saves_cost(forward, backward, capture, bits)
         marked: set[str] = set()
         for _ in range(self.ROUNDS):
@@ -713,12 +713,6 @@ class CheaperSaves:
 
         CustomPartitionerFn.register(CheaperSaves)  # what inductor's config accepts, with a uuid
         config.custom_partitioner_fn = CheaperSaves()
-
-
-def _session_bits(capture: ActivationCapture) -> int:
-    """The bits most saves get: the fixed policy's, or an allocation's default."""
-    policy = capture.policy
-    return getattr(policy, "bits", None) or getattr(policy, "default_bits", None) or capture.config.bits
 
 
 def _saves_cost(forward: fx.GraphModule, backward: fx.GraphModule, capture: ActivationCapture, bits: int

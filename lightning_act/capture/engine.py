@@ -416,6 +416,11 @@ class ActivationCapture:
         self._tracker.watch(on and self._active and not self._paused)
 
     @property
+    def nominal_bits(self) -> int:
+        """The bits most saves get: the fixed policy's, or an allocation's default."""
+        return getattr(self.policy, "bits", None) or getattr(self.policy, "default_bits", None) or self.config.bits
+
+    @property
     def active(self) -> bool:
         return self._active
 
@@ -742,11 +747,14 @@ class ActivationCapture:
             op=op,
             min_bits=decision.min_bits,
         )
-        # Groups along another axis than the last where that was measured to round with less noise.
+        probing = self._probe is not None
+        bits = None if probing else self.policy.bits_for(slot, info)
+        # Groups along another axis than the last where that was measured to round with less
+        # noise, at the width the slot is stored at (while probing, the one most get).
         group_axis = None
-        if codec is self._codecs["quant"] and self.chooses_group_axes:
-            group_axis = self.group_orders.order(slot, dense)
-        if self._probe is not None:
+        if codec is self._codecs["quant"] and self.chooses_group_axes and (probing or bits is not None):
+            group_axis = self.group_orders.order(slot, dense, bits or self.nominal_bits)
+        if probing:
             # Probed through the quantizer with the groups the tensor would be stored in.
             probe_codec = codec if isinstance(codec, GroupQuantCodec) else self._codecs["quant"]
             if not self.policy.pins_bits(info):  # a rule decides its bits: nothing to measure
@@ -754,7 +762,6 @@ class ActivationCapture:
             self._account(module, t, Outcome.EXACT, 0)
             return Compressed(ProbeRecord(self._probe, slot, dense.detach(), probe_codec, group_axis), layout,
                               restorer)
-        bits = self.policy.bits_for(slot, info)
         dense_bytes = layout.numel * dense.element_size()  # without the padding of rows
         if bits is None:
             memory = self._account(module, t, Outcome.EXACT, 0)

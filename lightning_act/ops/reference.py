@@ -68,6 +68,8 @@ mean beyond 65504: use the default ``bfloat16`` (float32's range) for such data.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from lightning_act.ops import validation
@@ -80,6 +82,7 @@ __all__ = [
     "division_unpack",
     "mix32",
     "quantize_pack",
+    "rounding_variance",
     "uniform_noise",
     "unpack_dequantize",
 ]
@@ -134,16 +137,25 @@ _NAN_BITS = 0x7FC00000  # positive quiet NaN: its sign bit must not read as "zer
 _SIGN_BIT = -0x80000000
 
 
-def _quantize_chunk(x: torch.Tensor, bits: int, group_size: int, seed: int, start: int):
-    """Codes (uint8, one per value) and stats bits (int32, ``[groups, 2]``) of whole groups."""
+class _GroupGrid(NamedTuple):
+    """The grid :func:`quantize_pack` rounds each group of ``[groups, group_size]`` values to."""
+
+    low: torch.Tensor  # float32 of the stored bfloat16 low
+    step: torch.Tensor  # float32 of the stored bfloat16 step (its magnitude)
+    levels: torch.Tensor  # largest level (before the zero-preserving shift)
+    zero_preserving: torch.Tensor
+    finite: torch.Tensor
+    low_bits: torch.Tensor  # int32 patterns of low and step, bfloat16 in their high halves
+    step_bits: torch.Tensor
+
+
+def _group_grid(g: torch.Tensor, bits: int) -> _GroupGrid:
     levels_plain = (1 << bits) - 1
-    g = x.view(-1, group_size)
     finite = torch.isfinite(g).all(dim=1)
     gmin = g.amin(dim=1)
     gmax = g.amax(dim=1)
     zero_preserving = (gmin == 0) & (bits >= 2)
-    positive = g > 0
-    pos_min = torch.where(positive, g, torch.inf).amin(dim=1)
+    pos_min = torch.where(g > 0, g, torch.inf).amin(dim=1)
     low = torch.where(zero_preserving, torch.where(torch.isinf(pos_min), 0.0, pos_min), gmin)
     levels = torch.where(zero_preserving, float(levels_plain - 1), float(levels_plain))
 
@@ -153,19 +165,51 @@ def _quantize_chunk(x: torch.Tensor, bits: int, group_size: int, seed: int, star
     step_r = step_bits.view(torch.float32)
     # a group spanning more than float32 can hold is stored as NaN, like a non-finite one
     finite &= torch.isfinite(low_r) & torch.isfinite(step_r)
+    return _GroupGrid(low_r, step_r, levels, zero_preserving, finite, low_bits, step_bits)
 
-    q = (g - low_r[:, None]) / step_r[:, None]
-    q = torch.where(step_r[:, None] > 0, q, 0.0)
+
+def _levels(g: torch.Tensor, grid: _GroupGrid) -> torch.Tensor:
+    """Each value's offset from its group's low in steps (0 where the step is 0)."""
+    q = (g - grid.low[:, None]) / grid.step[:, None]
+    return torch.where(grid.step[:, None] > 0, q, 0.0)
+
+
+def _quantize_chunk(x: torch.Tensor, bits: int, group_size: int, seed: int, start: int):
+    """Codes (uint8, one per value) and stats bits (int32, ``[groups, 2]``) of whole groups."""
+    g = x.view(-1, group_size)
+    grid = _group_grid(g, bits)
+    positive = g > 0
+    q = _levels(g, grid)
     u = uniform_noise(seed, start, g.numel(), g.device).view_as(g)
     codes = torch.floor(q + u)
-    codes = torch.minimum(torch.clamp_min(codes, 0.0), levels[:, None])
-    codes = torch.where(zero_preserving[:, None], torch.where(positive, codes + 1.0, 0.0), codes)
-    codes = torch.where(finite[:, None], codes, 0.0).to(torch.uint8)
+    codes = torch.minimum(torch.clamp_min(codes, 0.0), grid.levels[:, None])
+    codes = torch.where(grid.zero_preserving[:, None], torch.where(positive, codes + 1.0, 0.0), codes)
+    codes = torch.where(grid.finite[:, None], codes, 0.0).to(torch.uint8)
 
-    step_bits = torch.where(zero_preserving, step_bits | _SIGN_BIT, step_bits)
-    stats = torch.stack((low_bits, step_bits), dim=1)
-    stats = torch.where(finite[:, None], stats, _NAN_BITS)
+    step_bits = torch.where(grid.zero_preserving, grid.step_bits | _SIGN_BIT, grid.step_bits)
+    stats = torch.stack((grid.low_bits, step_bits), dim=1)
+    stats = torch.where(grid.finite[:, None], stats, _NAN_BITS)
     return codes.view(-1), stats
+
+
+def rounding_variance(values: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """The expected squared error :func:`quantize_pack` at ``bits`` puts into the whole groups
+    of ``values`` (1-D, in the order they are grouped; a ragged tail is left out), summed:
+    a value ``f`` of a step above a grid point decodes one step up with probability ``f``,
+    so its variance is ``step**2 f (1 - f)``. Values on the grid (a group's ends, a
+    zero-preserving group's zeros, a group of a few distinct values) cost nothing, which the
+    groups' ranges alone do not tell. NaN when a group holds NaN or Inf."""
+    whole = values.numel() // group_size * group_size
+    total = torch.zeros((), dtype=torch.float32, device=values.device)
+    for start in range(0, whole, _CHUNK):
+        g = values[start:min(start + _CHUNK, whole)].float().view(-1, group_size)
+        grid = _group_grid(g, bits)
+        # A zero-preserving group's zeros lie below its low: clamped to level 0, exact.
+        q = torch.minimum(_levels(g, grid).clamp_min(0.0), grid.levels[:, None])
+        fraction = q - q.floor()
+        per_group = (fraction * (1.0 - fraction)).sum(dim=1) * grid.step.square()
+        total += torch.where(grid.finite, per_group, torch.nan).sum()
+    return total
 
 
 def quantize_pack(
