@@ -80,6 +80,32 @@ inline int64_t check_decode_args(const at::Tensor& codes, const at::Tensor& stat
   return groups;
 }
 
+// Checks lookup_levels's arguments (as lightning_act.ops.validation.check_lookup_levels) and
+// allocates its output, uninitialized.
+inline at::Tensor lookup_levels_output(const at::Tensor& codes, const at::Tensor& levels, int64_t bits,
+                                       int64_t group_size, int64_t numel) {
+  check_quant_args(bits, group_size);
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "lightning_act.lookup_levels: codes dtype is ", codes.scalar_type(),
+              "; allowed: Byte (uint8)");
+  TORCH_CHECK(codes.is_contiguous(), "lightning_act.lookup_levels: codes must be contiguous; got strides ",
+              codes.strides());
+  TORCH_CHECK(is_supported_float(levels.scalar_type()), "lightning_act.lookup_levels: levels dtype is ",
+              levels.scalar_type(), "; allowed: Float, Half, BFloat16");
+  TORCH_CHECK(levels.dim() == 2 && levels.size(1) == (int64_t{1} << bits), "lightning_act.lookup_levels: levels ",
+              "must have shape [groups, ", int64_t{1} << bits, "] at bits=", bits, "; got ", levels.sizes());
+  TORCH_CHECK(levels.is_contiguous(), "lightning_act.lookup_levels: levels must be contiguous; got strides ",
+              levels.strides());
+  TORCH_CHECK(codes.device() == levels.device(), "lightning_act.lookup_levels: codes are on ", codes.device(),
+              " but levels are on ", levels.device());
+  const int64_t groups = levels.size(0);
+  const int64_t expected_bytes = groups * group_size * bits / 8;
+  TORCH_CHECK(codes.numel() == expected_bytes, "lightning_act.lookup_levels: codes hold ", codes.numel(), " bytes; ",
+              groups, " groups of ", group_size, " values at ", bits, " bits need ", expected_bytes);
+  TORCH_CHECK(numel >= 0 && numel <= groups * group_size, "lightning_act.lookup_levels: numel=", numel,
+              " must be in [0, ", groups * group_size, "] for ", groups, " groups of ", group_size);
+  return at::empty({numel}, levels.options());
+}
+
 // Checks quantize_pack's arguments and allocates its outputs, uninitialized: the C++ side of
 // the op's fake in lightning_act/ops/schemas.py.
 inline std::tuple<at::Tensor, at::Tensor> quantize_pack_outputs(const at::Tensor& input, int64_t bits,

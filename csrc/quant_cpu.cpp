@@ -1,5 +1,5 @@
-// CPU kernels of lightning_act::quantize_pack and lightning_act::unpack_dequantize: the
-// group encoder and decoder of quant_cpu.h over the input and output tensors, read and
+// CPU kernels of lightning_act::quantize_pack, unpack_dequantize and lookup_levels: the
+// group encoder and decoders of quant_cpu.h over the input and output tensors, read and
 // written in memory order or, for column_major, column by column.
 #include <torch/library.h>
 
@@ -328,11 +328,29 @@ at::Tensor unpack_dequantize_cpu(const at::Tensor& codes, const at::Tensor& stat
   return output;
 }
 
+at::Tensor lookup_levels_cpu(const at::Tensor& codes, const at::Tensor& levels, int64_t bits, int64_t group_size,
+                             int64_t numel) {
+  const at::Tensor output = lookup_levels_output(codes, levels, bits, group_size, numel);
+  if (numel == 0) {
+    return output;
+  }
+  LIGHTNING_ACT_DISPATCH_FLOAT_TYPES(levels.scalar_type(), "lookup_levels_cpu", [&] {
+    dispatch_bits(bits, [&](auto bits_constant) {
+      constexpr int kBits = decltype(bits_constant)::value;
+      const LookupTask<kBits, scalar_t> task{codes.const_data_ptr<uint8_t>(), levels.const_data_ptr<scalar_t>(),
+                                             output.mutable_data_ptr<scalar_t>(), numel, group_size, {}};
+      parallel_tasks(num_groups(numel, group_size), group_size, task);
+    });
+  });
+  return output;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(lightning_act, CPU, m) {
   m.impl("quantize_pack", &quantize_pack_cpu);
   m.impl("unpack_dequantize", &unpack_dequantize_cpu);
+  m.impl("lookup_levels", &lookup_levels_cpu);
 }
 
 }  // namespace lightning_act

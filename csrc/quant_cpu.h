@@ -215,6 +215,13 @@ LIGHTNING_ACT_ALWAYS_INLINE int64_t encode_blocks(Portable, const float*, int64_
   return 0;
 }
 
+// The values lookup_levels reads from a group's row in a loop of the instruction set's own,
+// as a number of leading codes; the plain loop does the rest. The portable build has none.
+template <int kBits>
+LIGHTNING_ACT_ALWAYS_INLINE int64_t lookup_values(Portable, const uint8_t*, const float*, int64_t, float*) {
+  return 0;
+}
+
 #if defined(LIGHTNING_ACT_AVX2_DISPATCH)
 // Hand-written AVX2 forms of the loops above. Each computes exactly what its portable form
 // computes, in fewer instructions than the compiler makes of that, and leaves the values short
@@ -359,6 +366,39 @@ LIGHTNING_ACT_TARGET_AVX2 int64_t encode_blocks(Avx2, const float* values, int64
   return blocks_end;
 }
 
+// lookup_values for float32 rows of at most 16 values (4 bits): the row held in registers and
+// each code's value picked by a lane permute, eight at a time, instead of a load per value.
+template <int kBits>
+LIGHTNING_ACT_TARGET_AVX2 int64_t lookup_values(Avx2, const uint8_t* codes, const float* row, int64_t count,
+                                                float* values) {
+  if constexpr (kBits == 8) {
+    return 0;
+  } else {
+    // Lanes past the row's 2**kBits values are never picked.
+    __m256 low;
+    if constexpr (kBits == 1) {
+      low = _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(row))));
+    } else if constexpr (kBits == 2) {
+      low = _mm256_castps128_ps256(_mm_loadu_ps(row));
+    } else {
+      low = _mm256_loadu_ps(row);
+    }
+    const int64_t vectored = count / 8 * 8;
+    for (int64_t i = 0; i < vectored; i += 8) {
+      int64_t eight;
+      std::memcpy(&eight, codes + i, sizeof(eight));
+      const __m256i index = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
+      __m256 picked = _mm256_permutevar8x32_ps(low, index);  // by the index's low 3 bits
+      if constexpr (kBits == 4) {
+        const __m256 high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(row + 8), index);
+        picked = _mm256_blendv_ps(picked, high, _mm256_castsi256_ps(_mm256_cmpgt_epi32(index, _mm256_set1_epi32(7))));
+      }
+      _mm256_storeu_ps(values + i, picked);
+    }
+    return vectored;
+  }
+}
+
 // unpack_codes, 32 codes at a time: each packed byte widened to the lane its codes spread
 // over, then spread as pack_codes's inverse spreads it (the compiler leaves the portable loop
 // scalar in some builds).
@@ -497,6 +537,38 @@ struct DecodeTask {
       params.zero_preserving ? store(std::true_type{}) : store(std::false_type{});
     }
     sink.finish();  // a sink that writes in tiles writes its last one
+  }
+};
+
+// One parallel task of lookup_levels: groups [first_group, last_group), each value read from
+// its group's row of the table by its code.
+template <int kBits, typename scalar_t>
+struct LookupTask {
+  const uint8_t* code_bytes;
+  const scalar_t* table;  // [groups, 2**kBits]
+  scalar_t* output;
+  int64_t numel;
+  int64_t group_size;
+  std::vector<uint8_t> codes;
+
+  template <typename Isa>
+  LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t first_group, int64_t last_group, Isa isa) {
+    constexpr int kPerByte = 8 / kBits;
+    codes.resize(group_size);
+    for (int64_t group = first_group; group < last_group; ++group) {
+      const int64_t start = group * group_size;
+      const int64_t valid = std::min(group_size, numel - start);
+      unpack_codes<kBits>(isa, code_bytes + start * kBits / 8, (valid + kPerByte - 1) / kPerByte, codes.data());
+      const scalar_t* const row = table + (group << kBits);
+      scalar_t* const values = output + start;
+      int64_t i = 0;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        i = lookup_values<kBits>(isa, codes.data(), row, valid, values);
+      }
+      for (; i < valid; ++i) {
+        values[i] = row[codes[i]];
+      }
+    }
   }
 };
 

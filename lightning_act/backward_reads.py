@@ -560,19 +560,9 @@ class PointwiseDerivative:
         """:meth:`restore` of what :func:`~lightning_act.ops.unpack_dequantize` decodes from
         these codes, bit for bit, with the inverse taken once per level of each group
         (``2**bits`` values per group, not one per value) and read back by code: a lookup per
-        value instead of the grid's passes. Chunked, so that what it allocates besides its
-        result (8 bytes a value of a chunk: a sixteenth of the tensor, at least 128K values)
-        stays a fraction of it, which the step's peak feels."""
-        table = self.restore(ops.group_levels(stats, bits, dtype).contiguous()).view(-1)
-        restored = torch.empty(numel, dtype=dtype, device=codes.device)
-        groups_per_chunk = -(-max(_MIN_LOOKUP_CHUNK, -(-numel // _MAX_CHUNKS)) // group_size)
-        code_bytes = group_size * bits // 8  # per group
-        for first in range(0, stats.shape[0], groups_per_chunk):
-            last = min(first + groups_per_chunk, stats.shape[0])
-            start, stop = first * group_size, min(last * group_size, numel)
-            indices = ops.level_indices(codes[first * code_bytes:last * code_bytes], bits, group_size, stop - start)
-            torch.index_select(table[first << bits:last << bits], 0, indices, out=restored[start:stop])
-        return restored
+        value instead of the grid's passes."""
+        levels = self.restore(ops.group_levels(stats, bits, dtype).contiguous())
+        return ops.lookup_levels(codes, levels, bits, group_size, numel)
 
     def restore(self, decoded: torch.Tensor) -> torch.Tensor:
         """The input whose derivative is ``decoded``, written over ``decoded``.
@@ -671,7 +661,6 @@ class _Grid(NamedTuple):
 # table's int32 piece indices, the gathered lines) live for one chunk, never for the whole
 # tensor: at most 16 chunks, of at least 16,384 values.
 _MIN_CHUNK = 1 << 14
-_MIN_LOOKUP_CHUNK = 1 << 17
 _MAX_CHUNKS = 16
 
 

@@ -219,12 +219,45 @@ def test_decode_rejects_bad_arguments(device):
         decode(codes, stats, 2, 256, 1024, torch.float32, 32, 0)
 
 
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_lookup_levels_reads_each_value_from_its_groups_row_by_its_code(device, dtype, bits, generator):
+    """Against the reference (bit for bit) and against decoding: the table of what each
+    group's codes decode to gives back the decoded tensor."""
+    for group_size, numel in ((8, 1), (8, 61), (64, 1000), (256, 256 * 7 + 3), (1024, 150_001)):
+        x = random_input(numel, dtype, generator).to(device)
+        codes, stats = ops.quantize_pack(x, bits, group_size, 17)
+        levels = torch.randn(stats.shape[0], 1 << bits, generator=generator).to(dtype).to(device)
+        case = f"dtype={dtype} bits={bits} group_size={group_size} numel={numel}"
+        assert_same_bits(ops.lookup_levels(codes, levels, bits, group_size, numel),
+                         reference.lookup_levels(codes.cpu(), levels.cpu(), bits, group_size, numel), case)
+        decoded_levels = ops.group_levels(stats, bits, dtype).contiguous()
+        assert_same_bits(ops.lookup_levels(codes, decoded_levels, bits, group_size, numel),
+                         ops.unpack_dequantize(codes, stats, bits, group_size, numel, dtype), case)
+
+
+def test_lookup_levels_rejects_bad_arguments(device):
+    codes, stats = ops.quantize_pack(torch.randn(1024, device=device), 2, 256, 0)
+    levels = torch.randn(4, 4, device=device)
+    for lookup in (torch.ops.lightning_act.lookup_levels, reference.lookup_levels):
+        with pytest.raises(RuntimeError, match="levels must have shape \\[groups, 4\\] at bits=2; got"):
+            lookup(codes, levels[:, :2].contiguous(), 2, 256, 1024)
+        with pytest.raises(RuntimeError, match="codes hold 255 bytes; 4 groups of 256 values at 2 bits need 256"):
+            lookup(codes[:-1], levels, 2, 256, 1024)
+        with pytest.raises(RuntimeError, match="numel=1025 must be in \\[0, 1024\\]"):
+            lookup(codes, levels, 2, 256, 1025)
+        with pytest.raises(RuntimeError, match="levels dtype is .*; allowed: .*loat"):
+            lookup(codes, levels.double(), 2, 256, 1024)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_opcheck(device, dtype, generator):
     x = random_input(1000, dtype, generator, nonfinite=False).to(device)
     torch.library.opcheck(torch.ops.lightning_act.quantize_pack.default, (x, 2, 64, 5))
     codes, stats = ops.quantize_pack(x, 2, 64, 5)
     torch.library.opcheck(torch.ops.lightning_act.unpack_dequantize.default, (codes, stats, 2, 64, 1000, dtype))
+    levels = torch.randn(stats.shape[0], 4, generator=generator).to(dtype).to(device)
+    torch.library.opcheck(torch.ops.lightning_act.lookup_levels.default, (codes, levels, 2, 64, 1000))
     matrices = x.view(8, 125)
     torch.library.opcheck(torch.ops.lightning_act.quantize_pack.default, (matrices, 2, 64, 5, True))
     codes, stats = ops.quantize_pack(matrices, 2, 64, 5, column_major=True)

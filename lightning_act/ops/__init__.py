@@ -33,7 +33,7 @@ __all__ = [
     "division_unpack",
     "ensure_kernels",
     "group_levels",
-    "level_indices",
+    "lookup_levels",
     "loaded_kernels",
     "quantize_pack",
     "unpack_dequantize",
@@ -96,8 +96,8 @@ def group_levels(stats: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Te
     ``[g, c]`` being what :func:`unpack_dequantize` makes of code ``c`` in group ``g`` (the
     kernel itself decodes them, so they match it bit for bit).
 
-    With :func:`level_indices`, a function of the decoded values costs one evaluation per
-    level instead of one per value: ``f(group_levels(...)).view(-1)[level_indices(...)]``.
+    With :func:`lookup_levels`, a function of the decoded values costs one evaluation per
+    level instead of one per value: ``lookup_levels(codes, f(group_levels(...)), ...)``.
     """
     levels = 1 << bits
     width = max(levels, MIN_GROUP_SIZE)  # one group holding every code, padded to a valid size
@@ -108,18 +108,19 @@ def group_levels(stats: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Te
     return decoded.view(groups, width)[:, :levels]
 
 
-def level_indices(codes: torch.Tensor, bits: int, group_size: int, numel: int) -> torch.Tensor:
-    """Where each of the first ``numel`` values of a :func:`quantize_pack` output sits in
-    ``group_levels(stats, bits, dtype).view(-1)``: its code plus ``2**bits`` times its
-    group's index (int32 ``[numel]``, in memory order)."""
-    groups = num_groups(numel, group_size)
-    # Decoding with a step of 1 from 0 gives every code as it is. Filled on the device: a
-    # tensor copied from the host would wait for the device's queue.
-    unit = torch.zeros(groups, 2, dtype=torch.bfloat16, device=codes.device)
-    unit[:, 1] = 1.0
-    decoded = unpack_dequantize(codes, unit, bits, group_size, groups * group_size, torch.float32)
-    offsets = torch.arange(0, groups << bits, 1 << bits, dtype=torch.int32, device=codes.device)
-    return decoded.view(groups, group_size).to(torch.int32).add_(offsets[:, None]).view(-1)[:numel]
+def lookup_levels(codes: torch.Tensor, levels: torch.Tensor, bits: int, group_size: int, numel: int) -> torch.Tensor:
+    """Each of the first ``numel`` values of a memory-order :func:`quantize_pack` output read
+    from its group's row of ``levels`` by its code: ``levels[g, c]`` for a value of group
+    ``g`` with code ``c``, in one pass (1-D, of ``levels``' dtype).
+
+    ``levels`` is typically ``f(group_levels(stats, bits, dtype))``: a function of the
+    decoded values at one evaluation per level, not one per value.
+
+    Raises:
+        RuntimeError: codes, levels and the sizes do not fit together.
+    """
+    ensure_kernels(codes.device)
+    return torch.ops.lightning_act.lookup_levels(codes, levels, bits, group_size, numel)
 
 
 def division_pack(

@@ -80,6 +80,7 @@ __all__ = [
     "count_nonfinite_groups",
     "division_pack",
     "division_unpack",
+    "lookup_levels",
     "mix32",
     "quantize_pack",
     "rounding_variance",
@@ -91,6 +92,7 @@ _MASK32 = 0xFFFFFFFF
 # Elements per pass of the reference: bounds its int64 temporaries, and as a power of two
 # that divides 2**32 it keeps the high half of every element index constant within a pass.
 _CHUNK = 1 << 22
+_MIN_LOOKUP_CHUNK = 1 << 17
 
 
 def _mul32(x, c: int):
@@ -267,6 +269,26 @@ def unpack_dequantize(
     return values.to(dtype)
 
 
+def lookup_levels(codes: torch.Tensor, levels: torch.Tensor, bits: int, group_size: int, numel: int) -> torch.Tensor:
+    """Each of the first ``numel`` values of a memory-order :func:`quantize_pack` output read
+    from its group's row of ``levels`` (``[groups, 2**bits]``) by its code: 1-D, of
+    ``levels``' dtype. In chunks, so that the int64 positions it gathers by (8 bytes a value
+    of a chunk: a sixteenth of the tensor, at least 128K values) stay a fraction of the
+    result."""
+    validation.check_lookup_levels(codes, levels, bits, group_size, numel)
+    table = levels.view(-1)
+    looked_up = torch.empty(numel, dtype=levels.dtype, device=levels.device)
+    groups_per_chunk = -(-max(_MIN_LOOKUP_CHUNK, -(-numel // 16)) // group_size)
+    code_bytes = group_size * bits // 8  # per group
+    for first in range(0, levels.shape[0], groups_per_chunk):
+        last = min(first + groups_per_chunk, levels.shape[0])
+        start, stop = first * group_size, min(last * group_size, numel)
+        chunk_codes = unpack_bit_fields(codes[first * code_bytes:last * code_bytes], bits, planar=False)[:stop - start]
+        rows = torch.arange(first, last, device=codes.device).repeat_interleave(group_size)[:stop - start]
+        torch.index_select(table, 0, (rows << bits) + chunk_codes.long(), out=looked_up[start:stop])
+    return looked_up
+
+
 def count_nonfinite_groups(stats: torch.Tensor) -> torch.Tensor:
     """Number of groups stored as NaN because they held NaN or Inf (a device scalar, no sync)."""
     return torch.isnan(stats[:, 0]).sum()
@@ -324,6 +346,7 @@ def division_unpack(
 for _name, _impl in (
     ("quantize_pack", quantize_pack),
     ("unpack_dequantize", unpack_dequantize),
+    ("lookup_levels", lookup_levels),
     ("division_pack", division_pack),
     ("division_unpack", division_unpack),
 ):

@@ -25,6 +25,7 @@ LIBRARY.define(
     "unpack_dequantize(Tensor codes, Tensor stats, int bits, int group_size, int numel, ScalarType dtype,"
     " int rows=0, int columns=0) -> Tensor"
 )
+LIBRARY.define("lookup_levels(Tensor codes, Tensor levels, int bits, int group_size, int numel) -> Tensor")
 LIBRARY.define(
     "division_pack(Tensor input, int block_h, int block_w, int bits, int group_size, int seed, ScalarType lfc_dtype)"
     " -> (Tensor lfc, Tensor codes, Tensor stats)"
@@ -51,6 +52,12 @@ def _quantize_pack_fake(input, bits, group_size, seed, column_major=False):
 def _unpack_dequantize_fake(codes, stats, bits, group_size, numel, dtype, rows=0, columns=0):
     validation.check_unpack_dequantize(codes, stats, bits, group_size, numel, dtype, rows=rows, columns=columns)
     return codes.new_empty(numel, dtype=dtype)
+
+
+@torch.library.register_fake("lightning_act::lookup_levels")
+def _lookup_levels_fake(codes, levels, bits, group_size, numel):
+    validation.check_lookup_levels(codes, levels, bits, group_size, numel)
+    return levels.new_empty(numel)
 
 
 @torch.library.register_fake("lightning_act::division_pack")

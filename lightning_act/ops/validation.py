@@ -24,6 +24,7 @@ __all__ = [
     "SUPPORTED_BITS",
     "check_division_pack",
     "check_division_unpack",
+    "check_lookup_levels",
     "check_quant_args",
     "check_quantize_pack",
     "check_unpack_dequantize",
@@ -130,6 +131,26 @@ def check_unpack_dequantize(
         f"rows={rows}, columns={columns}: allowed are both 0 (values in memory order) or both positive with "
         f"numel={numel} a multiple of rows * columns (whole matrices packed column by column)",
     )
+
+
+def check_lookup_levels(codes: torch.Tensor, levels: torch.Tensor, bits: int, group_size: int, numel: int) -> None:
+    """Checks ``lookup_levels``'s arguments: a memory-order pack's codes, a ``[groups,
+    2**bits]`` float table, and ``numel`` within the groups."""
+    op = "lookup_levels"
+    _check_quant_op_args(op, bits, group_size)
+    _check(codes.dtype == torch.uint8, op, f"codes dtype is {codes.dtype}; allowed: torch.uint8")
+    _check_contiguous(op, "codes", codes)
+    _check_float(op, "levels dtype", levels.dtype)
+    _check(levels.dim() == 2 and levels.shape[1] == 1 << bits, op,
+           f"levels must have shape [groups, {1 << bits}] at bits={bits}; got {tuple(levels.shape)}")
+    _check_contiguous(op, "levels", levels)
+    _check(codes.device == levels.device, op, f"codes are on {codes.device} but levels are on {levels.device}")
+    groups = levels.shape[0]
+    expected = groups * group_size * bits // 8
+    _check(codes.numel() == expected, op,
+           f"codes hold {codes.numel()} bytes; {groups} groups of {group_size} values at {bits} bits need {expected}")
+    _check(0 <= numel <= groups * group_size, op,
+           f"numel={numel} must be in [0, {groups * group_size}] for {groups} groups of {group_size}")
 
 
 def _check_blocks(op: str, block_h: int, block_w: int) -> None:
