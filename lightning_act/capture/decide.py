@@ -728,6 +728,12 @@ def decide_saved_node(
     elif producer in _SOFTMAX_OPS:
         floor = _NONLINEAR_BITS
     elif consumers.keys() & BATCH_NORM_OPS:
+        if read.use >= Use.SMOOTH:
+            # Normalised, then put through a nonlinearity that backward recomputes (a ReLU
+            # or Hardswish after BatchNorm): rounding moves values across its kinks, a bias
+            # at any width. Kept, which makes the partitioner save that nonlinearity's
+            # result instead where that costs less (CheaperSaves).
+            return Decision(Kind.KEEP)
         floor = 1
         if val.dim() >= 2 and numel // max(int(val.shape[1]), 1) < MIN_GROUP_SIZE:
             return Decision(Kind.KEEP)  # BatchNorm's channels too short: see decide
