@@ -49,14 +49,25 @@ inline std::tuple<at::Tensor, at::Tensor> empty_codes_and_stats(int64_t numel, i
           at::empty({groups, 2}, options.dtype(at::kBFloat16))};
 }
 
+// Checks packed codes of `groups` groups of `group_size` values at `bits` bits, of which
+// `numel` are read, for `op` (named in the message).
+inline void check_packed_codes(const char* op, const at::Tensor& codes, int64_t groups, int64_t bits,
+                               int64_t group_size, int64_t numel) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "lightning_act.", op, ": codes dtype is ", codes.scalar_type(),
+              "; allowed: Byte (uint8)");
+  TORCH_CHECK(codes.is_contiguous(), "lightning_act.", op, ": codes must be contiguous; got strides ",
+              codes.strides());
+  const int64_t expected_bytes = groups * group_size * bits / 8;
+  TORCH_CHECK(codes.numel() == expected_bytes, "lightning_act.", op, ": codes hold ", codes.numel(), " bytes; ",
+              groups, " groups of ", group_size, " values at ", bits, " bits need ", expected_bytes);
+  TORCH_CHECK(numel >= 0 && numel <= groups * group_size, "lightning_act.", op, ": numel=", numel, " must be in [0, ",
+              groups * group_size, "] for ", groups, " groups of ", group_size);
+}
+
 // Checks codes and stats against each other; returns the number of groups.
 inline int64_t check_decode_args(const at::Tensor& codes, const at::Tensor& stats, int64_t bits, int64_t group_size,
                                  int64_t numel, at::ScalarType dtype, int64_t rows = 0, int64_t columns = 0) {
   check_quant_args(bits, group_size);
-  TORCH_CHECK(codes.scalar_type() == at::kByte, "lightning_act.unpack_dequantize: codes dtype is ",
-              codes.scalar_type(), "; allowed: Byte (uint8)");
-  TORCH_CHECK(codes.is_contiguous(), "lightning_act.unpack_dequantize: codes must be contiguous; got strides ",
-              codes.strides());
   TORCH_CHECK(stats.scalar_type() == at::kBFloat16, "lightning_act.unpack_dequantize: stats dtype is ",
               stats.scalar_type(), "; allowed: BFloat16");
   TORCH_CHECK(stats.dim() == 2 && stats.size(1) == 2, "lightning_act.unpack_dequantize: stats must have shape ",
@@ -66,11 +77,7 @@ inline int64_t check_decode_args(const at::Tensor& codes, const at::Tensor& stat
   TORCH_CHECK(codes.device() == stats.device(), "lightning_act.unpack_dequantize: codes are on ", codes.device(),
               " but stats are on ", stats.device());
   const int64_t groups = stats.size(0);
-  const int64_t expected_bytes = groups * group_size * bits / 8;
-  TORCH_CHECK(codes.numel() == expected_bytes, "lightning_act.unpack_dequantize: codes hold ", codes.numel(),
-              " bytes; ", groups, " groups of ", group_size, " values at ", bits, " bits need ", expected_bytes);
-  TORCH_CHECK(numel >= 0 && numel <= groups * group_size, "lightning_act.unpack_dequantize: numel=", numel,
-              " must be in [0, ", groups * group_size, "] for ", groups, " groups of ", group_size);
+  check_packed_codes("unpack_dequantize", codes, groups, bits, group_size, numel);
   TORCH_CHECK(is_supported_float(dtype), "lightning_act.unpack_dequantize: dtype is ", dtype,
               "; allowed: Float, Half, BFloat16");
   TORCH_CHECK((rows == 0 && columns == 0) || (rows > 0 && columns > 0 && numel % (rows * columns) == 0),
@@ -85,10 +92,6 @@ inline int64_t check_decode_args(const at::Tensor& codes, const at::Tensor& stat
 inline at::Tensor lookup_levels_output(const at::Tensor& codes, const at::Tensor& levels, int64_t bits,
                                        int64_t group_size, int64_t numel) {
   check_quant_args(bits, group_size);
-  TORCH_CHECK(codes.scalar_type() == at::kByte, "lightning_act.lookup_levels: codes dtype is ", codes.scalar_type(),
-              "; allowed: Byte (uint8)");
-  TORCH_CHECK(codes.is_contiguous(), "lightning_act.lookup_levels: codes must be contiguous; got strides ",
-              codes.strides());
   TORCH_CHECK(is_supported_float(levels.scalar_type()), "lightning_act.lookup_levels: levels dtype is ",
               levels.scalar_type(), "; allowed: Float, Half, BFloat16");
   TORCH_CHECK(levels.dim() == 2 && levels.size(1) == (int64_t{1} << bits), "lightning_act.lookup_levels: levels ",
@@ -97,12 +100,7 @@ inline at::Tensor lookup_levels_output(const at::Tensor& codes, const at::Tensor
               levels.strides());
   TORCH_CHECK(codes.device() == levels.device(), "lightning_act.lookup_levels: codes are on ", codes.device(),
               " but levels are on ", levels.device());
-  const int64_t groups = levels.size(0);
-  const int64_t expected_bytes = groups * group_size * bits / 8;
-  TORCH_CHECK(codes.numel() == expected_bytes, "lightning_act.lookup_levels: codes hold ", codes.numel(), " bytes; ",
-              groups, " groups of ", group_size, " values at ", bits, " bits need ", expected_bytes);
-  TORCH_CHECK(numel >= 0 && numel <= groups * group_size, "lightning_act.lookup_levels: numel=", numel,
-              " must be in [0, ", groups * group_size, "] for ", groups, " groups of ", group_size);
+  check_packed_codes("lookup_levels", codes, levels.size(0), bits, group_size, numel);
   return at::empty({numel}, levels.options());
 }
 

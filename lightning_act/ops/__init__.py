@@ -20,7 +20,7 @@ import torch
 
 from lightning_act.ops import reference, schemas  # noqa: F401 - registers the schemas and the reference
 from lightning_act.ops.extension import ensure_kernels, loaded_kernels
-from lightning_act.ops.layout import num_groups, pack_bit_fields
+from lightning_act.ops.layout import pack_bit_fields
 from lightning_act.ops.reference import count_nonfinite_groups
 from lightning_act.ops.validation import LFC_DTYPES, MIN_GROUP_SIZE, SUPPORTED_BITS, check_quant_args
 
