@@ -67,7 +67,7 @@ import torch.utils._pytree as pytree
 from lightning_act import ops
 from lightning_act.codecs.quant import QuantizedTensor
 
-__all__ = ["PointwiseDerivative", "Read", "Use", "call_reads", "classify", "graph_reads"]
+__all__ = ["ATTENTION_MASK", "PointwiseDerivative", "Read", "Use", "call_reads", "classify", "graph_reads"]
 
 
 class Use(enum.IntEnum):
@@ -178,7 +178,11 @@ _SMOOTH = frozenset(
 )
 _EXPONENTIALS = frozenset({"exp", "exp2", "expm1"})
 # Backward kernels that aten does not decompose, by schema argument name.
-_ATTENTION_SCORES = frozenset({"query", "key", "attn_bias", "attn_mask", "logsumexp"})
+_ATTENTION_SCORES = frozenset({"query", "key", "logsumexp"})
+_ATTENTION_MASKS = frozenset({"attn_bias", "attn_mask"})
+#: :attr:`Read.reason` of a fused attention backward's mask or bias: added to the scores and
+#: exponentiated with them, and ``-inf`` where a position is masked.
+ATTENTION_MASK = "attention mask"
 _RECURRENT_BACKWARD = frozenset({"mkldnn_rnn_layer_backward", "_cudnn_rnn_backward", "miopen_rnn_backward",
                                  "_thnn_fused_lstm_cell_backward_impl", "_thnn_fused_lstm_cell_backward",
                                  "_thnn_fused_gru_cell_backward", "lstm_mps_backward", "mkldnn_rnn_backward"})
@@ -251,9 +255,9 @@ class _Walk:
                 stack.extend(current.all_input_nodes)
         return False
 
-    def _record(self, use: Use, node: fx.Node) -> None:
+    def _record(self, use: Use, node: fx.Node, reason: str | None = None) -> None:
         if use > self.worst:
-            self.worst, self.reason = use, _name(node.target)
+            self.worst, self.reason = use, reason or _name(node.target)
 
     def _deg(self, value: Any) -> int:
         if isinstance(value, fx.Node):
@@ -325,6 +329,8 @@ class _Walk:
             for (arg_name, value), degree in zip(arguments, degrees):
                 if degree and arg_name in _ATTENTION_SCORES:
                     self._record(Use.SMOOTH, node)
+                elif degree and arg_name in _ATTENTION_MASKS:
+                    self._record(Use.SMOOTH, node, ATTENTION_MASK)
             return max(degrees)
         if name in _RECURRENT_BACKWARD:
             # Linear in the incoming gradients, quadratic in what the cells saved.

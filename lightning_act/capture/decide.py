@@ -29,8 +29,8 @@ backward reads the tensor linearly; the analysis says where it does not:
 * through a smooth nonlinearity (exp: softmax's log-probabilities, attention's query and
   key): at least 8 bits, where rounding noise amplified through the curvature stays under
   the noise of the linear reads. A tensor read through an exponential may hold ``-inf``
-  (a masked log-softmax): those are stored as a finite stand-in and a 1-bit mask
-  (:class:`MinusInfinityStandIn`);
+  (a masked log-softmax), or a finite mask value as large: those are stored as a finite
+  stand-in and a 1-bit mask (:class:`MinusInfinityStandIn`);
 * the input of a pointwise op whose gradient is ``grad * h(x)`` (SiLU, GELU, Mish,
   Hardswish, ELU): ``h(x)`` is stored instead, so backward is linear in what is stored, and
   unbiased at any bits (:class:`~lightning_act.backward_reads.PointwiseDerivative`);
@@ -99,7 +99,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from lightning_act.backward_reads import PointwiseDerivative, Read, Use, call_reads
+from lightning_act.backward_reads import ATTENTION_MASK, PointwiseDerivative, Read, Use, call_reads
 from lightning_act.capture.records import Layout
 from lightning_act.codecs.exact import INDEX_DTYPES, MaskCodec
 from lightning_act.ops.validation import FLOAT_DTYPES, MIN_GROUP_SIZE
@@ -248,41 +248,48 @@ class Kind(enum.Enum):
 
 class MinusInfinityStandIn:
     """A tensor backward reads through an exponential (log-probabilities, a running
-    log-sum-exp), whose ``-inf`` values (masked positions: probability zero) are stored as the
-    tensor's smallest finite value, with a 1-bit mask of where they were, and put back at
-    unpack. The codec decodes a group holding a non-finite value as NaN (so that a NaN or an
-    overflow never turns into a finite, wrong gradient); ``-inf`` there is a value, not a
-    fault. On a GPU the stand-in and the mask are computed on the device, whether or not a
-    ``-inf`` is there (looking would read back to the host); on the CPU only where one is. The
-    copy decodes to the tensor itself, so other saves of it may share it."""
+    log-sum-exp, an attention mask), whose masked positions (probability zero: ``-inf``, or
+    a finite mask value as large, such as ``torch.finfo(dtype).min``) are stored as the
+    tensor's smallest other value, with a 1-bit mask of where they were, and put back at
+    unpack. The codec decodes a group holding a non-finite value, or spanning more than its
+    statistics hold, as NaN (so that a NaN or an overflow never turns into a finite, wrong
+    gradient); a mask value there is a value, not a fault. Masked positions are put back as
+    the tensor's smallest value: exact where they hold one value (a mask's), and exponentiated
+    to zero next to any unmasked one otherwise. On a GPU the stand-in and the mask are
+    computed on the device, whether or not a masked value is there (looking would read back
+    to the host); on the CPU only where one is. The copy decodes to the tensor itself, so
+    other saves of it may share it."""
 
     for_its_op_alone = False
 
     @staticmethod
     def store(x: torch.Tensor) -> tuple[torch.Tensor, _MinusInfinity | None]:
-        masked = torch.isneginf(x)
+        # Half the dtype's most negative value: no sum of scores reaches it.
+        masked = x <= torch.finfo(x.dtype).min / 2
         if x.device.type == "cpu" and not masked.any():
             return x, None  # on the CPU, looking costs no synchronisation: no mask needed
         low = torch.where(masked, torch.inf, x).amin()
         low = torch.where(low.isinf(), 0.0, low)  # every value masked: any stand-in will do
-        return torch.where(masked, low, x), _MinusInfinity(MaskCodec().pack(masked, 0, 0))
+        return torch.where(masked, low, x), _MinusInfinity(MaskCodec().pack(masked, 0, 0), x.amin())
 
 
 class _MinusInfinity(NamedTuple):
     mask: object  # a MaskCodec record
+    fill: torch.Tensor  # the tensor's smallest value, 0-dim, on its device
 
     def unpack(self, record) -> torch.Tensor:
         """The tensor backward reads, from the record its stand-in was stored in."""
         return self.restore(record.unpack())
 
     def restore(self, decoded: torch.Tensor) -> torch.Tensor:
-        return decoded.masked_fill_(self.mask.unpack().view(decoded.shape), -torch.inf)
+        return decoded.masked_fill_(self.mask.unpack().view(decoded.shape), self.fill)
 
 
 _MINUS_INFINITY_STAND_IN = MinusInfinityStandIn()
-# The aten ops through which backward exponentiates a saved tensor (the analysis's reason).
+# The reads through which backward exponentiates a saved tensor (the analysis's reason): aten
+# ops, and a fused attention's mask.
 _EXPONENTIATING = frozenset({"exp", "exp2", "logsumexp", "logcumsumexp", "_softmax", "_log_softmax", "softmax",
-                             "log_softmax", "logaddexp", "logaddexp2", "_log_softmax_backward_data"})
+                             "log_softmax", "logaddexp", "logaddexp2", "_log_softmax_backward_data", ATTENTION_MASK})
 
 
 class Decision(NamedTuple):
@@ -701,7 +708,8 @@ def decide_saved_node(
 
     Integer tensors are kept (the compiled graph saves parameters only where they are alive
     anyway). A pointwise op's input is stored as its derivative, as in eager; the ``-inf``
-    stand-in is eager's alone (such a tensor is read through an exponential: 8 bits).
+    stand-in is eager's alone (such a tensor is read through an exponential: 8 bits), so a
+    fused attention's mask, ``-inf`` wherever it masks, is kept.
     """
     if not isinstance(val, torch.Tensor) or val.layout != torch.strided or val.is_nested:
         return Decision(Kind.KEEP)
@@ -719,7 +727,7 @@ def decide_saved_node(
     if keeps_zeros and read.thresholds == (0.0,) and (use is Use.REGION or read.value_use is not None):
         # ReLU's output: the quantizer keeps its zeros, and so every comparison with 0.
         floor = max(2, _FLOORS[read.value_use or Use.LINEAR])
-    elif use >= Use.SINGULAR or use is Use.REGION:
+    elif use >= Use.SINGULAR or use is Use.REGION or read.reason == ATTENTION_MASK:
         return Decision(Kind.KEEP)
     elif read.derivative is not None and read.derivative.source is not None:
         return Decision(Kind.QUANTIZE, 1, substitute=read.derivative)

@@ -645,6 +645,12 @@ class ActivationCapture:
         cached = self._dedup.get(key)
         if cached is None or cached.storage.expired():
             return None
+        if decision.row_group is not None and cached.rows not in (None, (decision.row_group, decision.row_layout)):
+            # A normalisation's input needs groups within the rows it normalises: a copy
+            # whose groups span rows (ReLU's output, stored before a BatchNorm saves it as
+            # its input) would put a loud row's rounding noise into a near-constant row,
+            # whose 1 / std multiplies it. Stored again, in its own rows.
+            return None
         needed = self._bits_needed(module, op, decision)
         if cached.view == (t.shape, t.stride()):
             # A copy with fewer bits than this save needs (RMSNorm's input, which pow saved
@@ -688,7 +694,9 @@ class ActivationCapture:
             run_guaranteed = 0.0
         # The storage's weak reference, made when the save was accounted.
         storage = self._saved_storages[key[0]]
-        self._dedup[key] = Shared(storage, (t.shape, t.stride()), saved, run_record, view_guaranteed, run_guaranteed)
+        rows = None if decision.kind is not Kind.QUANTIZE else (decision.row_group, decision.row_layout)
+        self._dedup[key] = Shared(storage, (t.shape, t.stride()), saved, run_record, view_guaranteed, run_guaranteed,
+                                  rows)
 
     def _bits_needed(self, module: str, op: str | None, decision: Decision) -> float:
         """The fewest bits a copy stored for another save may have to serve this one: the

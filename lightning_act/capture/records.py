@@ -264,3 +264,6 @@ class Shared(NamedTuple):
     view_guaranteed: float
     #: The same for another view of the run, read through ``record`` (0 without one).
     run_guaranteed: float
+    #: For a rounded copy, the rows its groups stay within (its decision's ``row_group`` and
+    #: ``row_layout``; ``(None, None)``: groups in memory order); None for an exact copy.
+    rows: tuple | None = None
