@@ -546,6 +546,57 @@ def test_a_compiled_gru_runs_with_the_op_tracker_active():
     assert rel_err(grads_of(model), exact) < 1e-2
 
 
+def test_a_module_compiled_in_place_runs_with_the_op_tracker_off():
+    """``module.compile()`` runs the module hooks inside the compiled code, where they cannot
+    switch the op tracker off; the capture wraps the compiled call with the switch instead,
+    as ``torch.compile(module)``'s wrapper module gets it. (With the tracker on, Dynamo traced
+    its handler and handed HF Bloom's alibi slopes a ``torch.Size`` for a device.)"""
+    seen, captures = [], []
+
+    @torch._dynamo.disable
+    def tracker_on() -> None:
+        if captures:
+            seen.append(captures[-1]._tracker.watching)
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(32, 32)
+
+        def forward(self, x):
+            tracker_on()
+            return self.linear(x).relu()
+
+    model = seeded(Probe)
+    model.compile(backend="aot_eager")
+    x = torch.randn(8, 32)
+    exact = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    with compress_activations(model, bits=8, min_numel=1) as capture:
+        captures.append(capture)
+        loss = model(x).sum()
+        tracker_on()  # outside the compiled call: on again
+    noisy = torch.autograd.grad(loss, list(model.parameters()))
+    assert seen == [False, True]
+    assert all(rel_err(a, b) < 1e-2 for a, b in zip(noisy, exact))
+
+
+@pytest.mark.slow
+def test_hf_bloom_compiled_in_place_trains_under_the_capture():
+    pytest.importorskip("transformers")
+    from benchmarks.model_libraries import DATA, _seeded, shakespeare_bytes
+    from transformers import BloomConfig, BloomForCausalLM
+
+    model = seeded(BloomForCausalLM, BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4)).train()
+    model.compile(backend="aot_eager")
+    tokens = shakespeare_bytes(DATA, batch=8, length=64)
+    loss = _seeded(lambda: model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss)
+    exact = torch.autograd.grad(loss(), list(model.parameters()))
+    with compress_activations(model, inputs=tokens, bits=8) as capture:
+        noisy = torch.autograd.grad(loss(), list(model.parameters()))
+    assert capture.report.counts["compressed"] > 0
+    assert rel_err(torch.cat([g.flatten() for g in noisy]), torch.cat([g.flatten() for g in exact])) < 1e-2
+
+
 def _compiled_model(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
