@@ -37,6 +37,7 @@ import ast
 import base64
 import functools
 import math
+import operator
 import re
 import sys
 import weakref
@@ -48,7 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_act import ops
 from lightning_act.backward_reads import PointwiseDerivative, Read, Use, graph_reads
-from lightning_act.capture.decide import BATCH_NORM_OPS, Kind, decide_saved_node
+from lightning_act.capture.decide import BATCH_NORM_OPS, STATISTIC_RATIO, Kind, decide_saved_node
 from lightning_act.capture.group_order import candidate_axes
 from lightning_act.capture.records import unpack as unpack_eager
 from lightning_act.capture.report import Outcome, ReportDelta, SlotMemory
@@ -730,7 +731,7 @@ def _saves_cost(forward: fx.GraphModule, backward: fx.GraphModule, capture: Acti
             continue  # the graph's inputs are alive anyway, whichever the partition
         decision = decide_saved_node(
             _hinted(val), reads[placeholder.name], producer(node), consumers(node),
-            min_numel=capture.config.min_numel, group_size=capture.config.group_size,
+            min_numel=capture.config.min_numel, group_size=capture.config.group_size, statistic=is_statistic(node),
         )
         if decision.kind is Kind.MASK:
             cost = 1
@@ -796,6 +797,23 @@ def producer(node: fx.Node) -> str | None:
         if name not in _VIEWS or not node.all_input_nodes:
             return name
         node = node.all_input_nodes[0]
+
+
+def is_statistic(node: fx.Node) -> bool:
+    """Whether a saved node is a reduction statistic: an op's second or later result (a
+    normalisation's mean and 1 / std, an attention's logsumexp), at least ``STATISTIC_RATIO``
+    times smaller than the op's first input, as :func:`~lightning_act.capture.decide.decide`
+    tells them in eager mode."""
+    while _op_name(node) in _VIEWS and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    if node.target is not operator.getitem or not isinstance(node.args[1], int) or node.args[1] < 1:
+        return False
+    op, val = node.args[0], node.meta.get("val")
+    first = next((a for a in op.args if isinstance(a, fx.Node)), None) if isinstance(op, fx.Node) else None
+    source = first.meta.get("val") if first is not None else None
+    if not isinstance(val, torch.Tensor) or not isinstance(source, torch.Tensor):
+        return False
+    return _hint(source.numel()) >= STATISTIC_RATIO * _hint(val.numel())
 
 
 def consumers(node: fx.Node) -> dict[str, tuple]:
@@ -989,7 +1007,7 @@ class GraphPlan:
         op = producer(node)
         decision = decide_saved_node(
             val, self._reads.get(node.name, Read(Use.EXACT)), op, consumers(node),
-            min_numel=capture.config.min_numel, group_size=capture.config.group_size,
+            min_numel=capture.config.min_numel, group_size=capture.config.group_size, statistic=is_statistic(node),
         )
         if decision.kind is Kind.MASK:
             return Plan("mask", 1, 0, module, "", op, 1), Outcome.LOSSLESS

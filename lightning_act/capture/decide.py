@@ -110,6 +110,7 @@ __all__ = [
     "Decision",
     "MinusInfinityStandIn",
     "Kind",
+    "STATISTIC_RATIO",
     "decide",
     "decide_saved_node",
     "floor_bits",
@@ -189,7 +190,7 @@ _ROW_FACTOR_HISTORY = 8  # autograd nodes searched from the factor back to x
 # A statistic is an output of the op itself: its autograd history, if any, starts at the
 # op's inputs. The per-step gates and states that a recurrent op computes step by step (their
 # history runs through the earlier steps), each one step's share of its input, are activations.
-_STATISTIC_RATIO = 8
+STATISTIC_RATIO = 8
 
 # _OPAQUE_BYTES: a one-byte integer tensor with no bound its op implies is kept as it is.
 # Such tensors are byte buffers that an op lays out for itself (oneDNN's RNN workspace on the
@@ -358,7 +359,7 @@ def _is_statistic(t: torch.Tensor, call: TrackedCall) -> bool:
     inputs = _tensor_arguments(call)
     # Only a larger activation makes it a statistic; a parameter's size says nothing. Checked
     # first: most saved tensors have no input that much larger, and this is the cheap test.
-    larger = [a for a in inputs if a.numel() >= t.numel() * _STATISTIC_RATIO]
+    larger = [a for a in inputs if a.numel() >= t.numel() * STATISTIC_RATIO]
     if not larger or all(source_parameter(a)[0] is not None for a in larger):
         return False
     if _is_input(t, inputs):
@@ -691,7 +692,8 @@ def _overlaps(val: torch.Tensor) -> bool:
 
 
 def decide_saved_node(
-    val: object, read: Read, producer: str | None, consumers: dict[str, tuple], *, min_numel: int, group_size: int
+    val: object, read: Read, producer: str | None, consumers: dict[str, tuple], *, min_numel: int, group_size: int,
+    statistic: bool = False,
 ) -> Decision:
     """How to store a tensor a compiled forward saves: the counterpart of :func:`decide` for
     a node of a compiled graph, by the same floors and hand rules.
@@ -705,6 +707,8 @@ def decide_saved_node(
             the op that saves an input (BatchNorm's, LayerNorm's).
         min_numel: smaller tensors are kept as they are.
         group_size: the quantizer's group size.
+        statistic: the node is a reduction statistic of its op (a normalisation's 1 / std):
+            kept exact, as eager keeps it.
 
     Integer tensors are kept (the compiled graph saves parameters only where they are alive
     anyway). A pointwise op's input is stored as its derivative, as in eager; the ``-inf``
@@ -722,7 +726,20 @@ def decide_saved_node(
         return Decision(Kind.MASK, 1)
     if val.dtype not in FLOAT_DTYPES:
         return Decision(Kind.KEEP)
+    if statistic:
+        return Decision(Kind.STATISTIC)
     use = read.use
+    channel_group = None
+    if consumers.keys() & BATCH_NORM_OPS and val.dim() >= 3:
+        # BatchNorm normalises each channel on its own: a group spanning channels would put a
+        # loud channel's rounding noise into a near-constant one, whose 1 / std multiplies it
+        # (timm RepVGG's identity branch reads a ReLU output: 8-bit error 0.098). Groups stay
+        # within one sample's map of a channel, in memory order; a map too small for a group
+        # of its own (2 x 2, 7 x 7), or channels-last memory, is kept.
+        plane = math.prod(int(s) for s in val.shape[2:]) if val.is_contiguous() else 0
+        channel_group = min(plane & -plane, group_size)
+        if channel_group < MIN_GROUP_SIZE:
+            return Decision(Kind.KEEP)
     keeps_zeros = producer in _ZERO_EXACT_OPS
     if keeps_zeros and read.thresholds == (0.0,) and (use is Use.REGION or read.value_use is not None):
         # ReLU's output: the quantizer keeps its zeros, and so every comparison with 0.
@@ -747,7 +764,7 @@ def decide_saved_node(
             return Decision(Kind.KEEP)  # BatchNorm's channels too short: see decide
     else:
         floor = _FLOORS[use]
-    row_group = None
+    row_group = channel_group  # set: memory order (a group axis surveyed would run across channels)
     row = _graph_row(val, consumers)
     if row is not None:
         # Groups within rows: the largest power of two dividing a row, up to group_size.
