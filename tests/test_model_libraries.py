@@ -162,3 +162,21 @@ def test_peak_memory_not_above_none(measured):
     assert measured.peak_bytes_2bit <= measured.peak_bytes_none, (
         f"{measured.peak_bytes_none / 2**20:.2f} MiB -> {measured.peak_bytes_2bit / 2**20:.2f} MiB"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf_falcon", "timm_repvgg_a0"])
+def test_model_families_beyond_the_suite_keep_their_gradient(name):
+    """``benchmarks/model_families.py``'s cases build and measure as the suite's do. HF
+    Falcon's saved causal mask made its gradient NaN, and timm RepVGG's BatchNorm read a ReLU
+    output's copy grouped across channels (8-bit error 0.074)."""
+    pytest.importorskip("timm" if name.startswith("timm") else "transformers")
+    from benchmarks import model_families
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m = model_families.measure(name, seeds=8)  # the sweep's measure, which knows its families
+    finally:
+        torch.set_num_threads(threads)
+    assert math.isfinite(m.error_2bit) and m.error_8bit < MAX_ERROR_8BIT
