@@ -236,6 +236,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     path = args.out / f"model_families_{'compiled' if args.compiled else 'eager'}_cpu.json"
     rows = json.loads(path.read_text())["cases"] if path.exists() else {}
+    command = " ".join(["python", *sys.argv])
     for name in args.cases or FAMILIES:
         started = time.perf_counter()
         try:
@@ -243,16 +244,16 @@ def main() -> None:
         except Exception as error:  # noqa: BLE001 - recorded: a case that fails is a finding
             rows[name] = {"failed": f"{type(error).__name__}: {str(error)[:2000]}"}
             print(f"{name:28s} failed: {rows[name]['failed'][:300]}", flush=True)
-            continue
-        missed = [f for f in failures(m) if "closer than one seed" not in f]  # judged below, for --seeds
-        rows[name] = {"error_8bit": m.error_8bit, "error_2bit": m.error_2bit, "unbiased_ratio": m.unbiased_ratio,
-                      "kept_ratio": m.kept_ratio, "peak_ratio": m.peak_ratio, "missed": missed}
-        print(f"{name:28s} 8-bit {m.error_8bit:.4f}  2-bit {m.error_2bit:.3f}  mean of {args.seeds} "
-              f"{m.unbiased_ratio:.2f}x closer  kept {m.kept_ratio:5.2f}x  peak {m.peak_ratio:.3f}  "
-              f"{time.perf_counter() - started:4.0f} s  {'; '.join(missed)}", flush=True)
-    command = " ".join(["python", *sys.argv])
-    path.write_text(json.dumps({"command": command, "torch": torch.__version__, "seeds": args.seeds,
-                                "date": time.strftime("%Y-%m-%d"), "cases": rows}, indent=1) + "\n")
+        else:
+            missed = [f for f in failures(m) if "closer than one seed" not in f]  # its own seeds: printed
+            rows[name] = {"error_8bit": m.error_8bit, "error_2bit": m.error_2bit, "unbiased_ratio": m.unbiased_ratio,
+                          "kept_ratio": m.kept_ratio, "peak_ratio": m.peak_ratio, "missed": missed}
+            print(f"{name:28s} 8-bit {m.error_8bit:.4f}  2-bit {m.error_2bit:.3f}  mean of {args.seeds} "
+                  f"{m.unbiased_ratio:.2f}x closer  kept {m.kept_ratio:5.2f}x  peak {m.peak_ratio:.3f}  "
+                  f"{time.perf_counter() - started:4.0f} s  {'; '.join(missed)}", flush=True)
+        # Written after every case: a long sweep stopped midway keeps what it measured.
+        path.write_text(json.dumps({"command": command, "torch": torch.__version__, "seeds": args.seeds,
+                                    "date": time.strftime("%Y-%m-%d"), "cases": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
