@@ -151,6 +151,10 @@ def build_vit(batch: int, device: torch.device, data_dir: Path, **sizes) -> Work
     from torchvision.models.vision_transformer import EncoderBlock, VisionTransformer
 
     model = VisionTransformer(**sizes).to(device)
+    # torchvision zero-initialises the classifier, so at initialisation no gradient reaches
+    # the encoder and a gradient's error would be the classifier's alone. A trained head is
+    # not zero: drawn as a linear layer's.
+    model.heads.head.reset_parameters()
     blocks = [m for m in model.modules() if isinstance(m, EncoderBlock)]
     return Workload(model, _images(batch, sizes["image_size"], sizes["num_classes"], device), _classification_loss,
                     blocks, batch)

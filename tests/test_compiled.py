@@ -623,6 +623,7 @@ def _compiled_model(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     if name == "vit":  # saves the class token x[:, 0], a view with gaps
         model = torchvision.models.VisionTransformer(image_size=32, patch_size=4, num_layers=2, num_heads=4,
                                                      hidden_dim=192, mlp_dim=384, num_classes=10)
+        model.heads.head.reset_parameters()  # torchvision's zero head passes no gradient to the encoder
         return model, torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
     if name == "resnet":
         return torchvision.models.resnet18(num_classes=10), torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,))

@@ -118,7 +118,7 @@ def test_column_major_matches_reference_bit_for_bit(device, dtype, bits, generat
     """Groups down the columns: matrices shorter and taller than a group, columns that end
     inside a chunk of 8, a single row or column, a ragged last group; more columns than the
     kernel's tiles hold, with groups that end inside a tile, across one or across matrices,
-    matrices so tall that a tile holds fewer columns, and rows so long (1024 values or more)
+    matrices so tall that a tile holds fewer columns, and rows so long (512 values or more)
     that a tile takes 64 columns, the last tile fewer."""
     shapes = [(1, 9), (9, 1), (5, 7, 11), (3, 128, 40), (2, 300, 3), (13, 67), (4, 2, 64, 33), (2, 64, 520),
               (3, 100, 70), (4500, 20), (2, 300, 1100), (70, 1030)]
