@@ -9,8 +9,7 @@
 // plan's tensor whose storage the session keeps alive anyway (its batch), which is handed
 // back as it is. Everything else goes to that Python implementation, through the ops
 // pack_saved_python / unpack_saved_python: plans not registered yet (the first call of each,
-// a survey still running), the decoding of derivative saves, and any call while no session
-// is capturing. Python reads the counts at the end of the session (graph_native_drain).
+// a survey still running), and any call while no session is capturing. Python reads the counts at the end of the session (graph_native_drain).
 //
 // The quantizer is called through the dispatcher, so a CUDA tensor goes to the CUDA kernels
 // (or to the reference where they did not build), exactly as from Python.
@@ -33,8 +32,10 @@
 namespace lightning_act {
 namespace {
 
-// What a plan stores: Plan.form of lightning_act.capture.compiled.
-enum Form : int64_t { kQuant = 0, kMask = 1, kIndex = 2 };
+// What a plan stores: Plan.form of lightning_act.capture.compiled. A derivative save packs as
+// a quantized one (kQuant) and decodes as kDerivative: back to the input on the derivative's
+// branch whose derivative is the decoded value.
+enum Form : int64_t { kQuant = 0, kMask = 1, kIndex = 2, kDerivative = 3 };
 
 // How a registered plan packs: quantized (``axis`` -1 for memory order; ``survey`` plans
 // return a third part, the matrices (rows, columns) the groups were read as), a mask 8
@@ -55,12 +56,27 @@ struct Packer {
   int64_t offset;
 };
 
+// A kDerivative decoder's inverse of the derivative h, as
+// lightning_act.backward_reads.PointwiseDerivative.restore_quantized applies it: each
+// group's 2**bits decoded levels (``level_codes``, one group holding every code, decoded
+// with the group's stats) put through the inverse (a _Grid, uniform in h: piece ``j``
+// starts at ``low + j * step``), then every value read from its group's row by its code.
+struct Inverse {
+  at::Tensor level_codes;
+  int64_t level_width = 0;
+  double low = 0;
+  double step = 0;
+  at::Tensor starts;
+  at::Tensor slopes;
+};
+
 struct Decoder {
   int64_t form;
   int64_t offset;
   int64_t bits;
   int64_t group_size;
   bool survey;
+  Inverse inverse;
 };
 
 struct State {
@@ -176,6 +192,35 @@ unpack_dequantize_op() {
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, at::ScalarType, int64_t,
                             int64_t)>();
   return op;
+}
+
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t)>&
+lookup_levels_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("lightning_act::lookup_levels", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t)>();
+  return op;
+}
+
+// The input a derivative save stands for, in memory order: _Grid.__call__ on the group
+// levels (lightning_act.ops.group_levels) and lookup_levels, op for op, so the values are
+// Python's bit for bit.
+at::Tensor decode_derivative(const Decoder& decoder, const at::Tensor& codes, const at::Tensor& stats, int64_t numel,
+                             at::ScalarType dtype) {
+  const Inverse& inverse = decoder.inverse;
+  const int64_t groups = stats.size(0), levels = int64_t{1} << decoder.bits, width = inverse.level_width;
+  const at::Tensor decoded = unpack_dequantize_op().call(inverse.level_codes.repeat({groups}), stats, decoder.bits,
+                                                         width, groups * width, dtype, 0, 0);
+  const at::Tensor h = decoded.view({groups, width}).narrow(1, 0, levels).contiguous().view(-1).to(at::kFloat);
+  const int64_t pieces = inverse.starts.numel();
+  const double scale = inverse.step > 0 ? 1 / inverse.step : 0.0;
+  at::Tensor position = h.sub(inverse.low).mul_(scale).clamp_(0, pieces);
+  const at::Tensor piece = position.to(at::kInt).clamp_(0, pieces - 1);
+  const at::Tensor fraction = position.sub_(piece);
+  const at::Tensor inputs =
+      inverse.starts.index_select(0, piece).addcmul_(inverse.slopes.index_select(0, piece), fraction).to(dtype);
+  return lookup_levels_op().call(codes, inputs.view({groups, levels}), decoder.bits, decoder.group_size, numel);
 }
 
 // The tensor of sizes and strides ``size`` and ``stride`` from its values in memory order:
@@ -340,6 +385,8 @@ at::Tensor unpack_saved(at::TensorList parts, c10::SymIntArrayRef sym_size, c10:
     native = found != s.decoders.end();
     if (native) decoder = found->second;
   }
+  // A derivative decoder serves the device its inverse lives on.
+  native = native && (decoder.form != kDerivative || decoder.inverse.starts.device() == parts[0].device());
   if (!native) return unpack_saved_python(parts, sym_size, sym_stride, dtype, plan);
   const at::IntArrayRef size = C10_AS_INTARRAYREF_SLOW(sym_size), stride = C10_AS_INTARRAYREF_SLOW(sym_stride);
   int64_t numel = 1;
@@ -348,6 +395,7 @@ at::Tensor unpack_saved(at::TensorList parts, c10::SymIntArrayRef sym_size, c10:
   if (decoder.form == kIndex) {
     return restore(unpack_index(parts[0], decoder.bits, decoder.offset, numel, dtype), size, stride);
   }
+  if (decoder.form == kDerivative) return restore(decode_derivative(decoder, parts[0], parts[1], numel, dtype), size, stride);
   int64_t rows = 0, columns = 0;
   if (decoder.survey) {  // the matrices' shape, on the host
     const int64_t* shape = parts[2].data_ptr<int64_t>();
@@ -399,7 +447,16 @@ void native_decoder(c10::string_view plan, int64_t form, int64_t bits, int64_t g
                     int64_t offset) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.decoders[std::string(plan)] = Decoder{form, offset, bits, group_size, survey};
+  s.decoders[std::string(plan)] = Decoder{form, offset, bits, group_size, survey, {}};
+}
+
+void native_derivative_decoder(c10::string_view plan, int64_t bits, int64_t group_size, const at::Tensor& level_codes,
+                               int64_t level_width, double low, double step, const at::Tensor& starts,
+                               const at::Tensor& slopes) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.decoders[std::string(plan)] =
+      Decoder{kDerivative, 0, bits, group_size, false, Inverse{level_codes, level_width, low, step, starts, slopes}};
 }
 
 void native_kept(const at::Tensor& part, const at::Tensor& input) {
@@ -472,6 +529,9 @@ TORCH_LIBRARY_FRAGMENT(lightning_act, m) {
         &native_packer);
   m.def("graph_native_decoder(str plan, int form, int bits, int group_size, bool survey, int offset) -> ()",
         &native_decoder);
+  m.def("graph_native_derivative_decoder(str plan, int bits, int group_size, Tensor level_codes, int level_width, "
+        "float low, float step, Tensor starts, Tensor slopes) -> ()",
+        &native_derivative_decoder);
   m.def("graph_native_kept(Tensor part, Tensor input) -> ()", &native_kept);
   m.def("graph_native_drain(bool each) -> (int[] counts, int[] kept_counts, Tensor[] stats, int[] stat_ids)",
         &native_drain);

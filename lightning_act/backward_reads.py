@@ -576,16 +576,21 @@ class PointwiseDerivative:
         The inverse is read from a grid uniform in ``h`` (a multiply and two lookups per
         value, not a search of the table): the input handed back has a derivative within
         one grid step, ``span / 65536``, of the decoded value."""
-        if ("inverse", decoded.device) not in self._grids:
-            self._grids["inverse", decoded.device] = self._inverse_grid(decoded.device)
-        inverse = self._grids["inverse", decoded.device]
+        inverse = self.inverse_grid(decoded.device)
         flat = decoded.view(-1)
         for h, target in _chunks(flat, flat):
             target.copy_(inverse(h))
         return decoded
 
+    def inverse_grid(self, device: torch.device) -> _Grid:
+        """The inverse of ``h`` on its branch, on a grid uniform in ``h`` (its pieces placed
+        by position on the whole grid, not ``exact``), on ``device``: what :meth:`restore`
+        reads, and the graph ops' C++ side with it."""
+        if ("inverse", device) not in self._grids:
+            self._grids["inverse", device] = self._inverse_grid(device)
+        return self._grids["inverse", device]
+
     def _inverse_grid(self, device: torch.device) -> _Grid:
-        """The inverse of ``h`` on its branch, on a grid uniform in ``h``."""
         ends, intercepts, slopes = self._line_table()
         grid = torch.linspace(ends[0].item(), ends[-1].item(), _GRID + 1, dtype=torch.float64)
         piece = torch.searchsorted(ends, grid).clamp_(1, ends.numel() - 1)

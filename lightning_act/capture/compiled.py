@@ -162,8 +162,8 @@ class PackedSave(NamedTuple):
 
 _PACKED_SAVES: dict[tuple[str, int], PackedSave] = {}
 _PACKED_SAVES_KEPT = 1 << 14
-#: The C++ side's code of each plan form (a derivative save packs as a quantized one; its
-#: decoding stays in Python).
+#: The C++ side's code of each plan form it packs (a derivative save packs as a quantized
+#: one and is decoded by a decoder of its own, registered with the derivative's inverse).
 _NATIVE_FORMS = {"quant": 0, "derivative": 0, "mask": 1, "index": 2}
 #: Sets of packed saves whose sum is kept (a few per graph: the steps' drains repeat).
 _DELTAS_KEPT = 256
@@ -369,7 +369,8 @@ class NativeSaves:
 
     What it needs from Python, Python hands it: each plan it may pack alone (quantized, in
     memory order or along its decided group axis, or a mask; or only hand back, unwritten, an
-    input the session keeps alive) and decode alone (quantized, a mask), the capture capturing
+    input the session keeps alive) and decode alone (quantized, a mask, a pointwise op's input
+    from its derivative), the capture capturing
     now (its kept-alive storages and the token of its group axes), the seed stream, the
     unwritten parts of the inputs Python handed back. At every change of the capture
     capturing now (start, stop, pause, resume) what it counted is added to the report of the
@@ -455,10 +456,17 @@ class NativeSaves:
         form, bits, offset = _NATIVE_FORMS[parsed.form], parsed.bits, 0
         if parsed.form == "index":
             bits, offset = index_layout(*parsed.index_range, t.dtype)
-        if parsed.form != "derivative" and plan not in cls._decoders:
+        if plan not in cls._decoders:
             cls._decoders.add(plan)
-            torch.ops.lightning_act.graph_native_decoder(plan, form, bits, parsed.group_size,
-                                                         parsed.survey is not None, offset)
+            if parsed.form == "derivative":
+                inverse = parsed.substitute().inverse_grid(t.device)
+                codes, width = ops.every_code(bits, t.device)
+                torch.ops.lightning_act.graph_native_derivative_decoder(
+                    plan, bits, parsed.group_size, codes, width, inverse.low, inverse.step, inverse.starts,
+                    inverse.slopes)
+            else:
+                torch.ops.lightning_act.graph_native_decoder(plan, form, bits, parsed.group_size,
+                                                             parsed.survey is not None, offset)
         axis, kept_only = None, False
         if parsed.survey is not None:
             orders = capture.group_orders

@@ -32,6 +32,7 @@ __all__ = [
     "division_pack",
     "division_unpack",
     "ensure_kernels",
+    "every_code",
     "group_levels",
     "lookup_levels",
     "loaded_kernels",
@@ -99,13 +100,20 @@ def group_levels(stats: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Te
     With :func:`lookup_levels`, a function of the decoded values costs one evaluation per
     level instead of one per value: ``lookup_levels(codes, f(group_levels(...)), ...)``.
     """
-    levels = 1 << bits
-    width = max(levels, MIN_GROUP_SIZE)  # one group holding every code, padded to a valid size
-    one_group = pack_bit_fields(torch.arange(width, device=stats.device).remainder_(levels).to(torch.uint8), bits,
-                                planar=False)
+    one_group, width = every_code(bits, stats.device)
     groups = stats.shape[0]
     decoded = unpack_dequantize(one_group.repeat(groups), stats, bits, width, groups * width, dtype)
-    return decoded.view(groups, width)[:, :levels]
+    return decoded.view(groups, width)[:, :1 << bits]
+
+
+def every_code(bits: int, device: torch.device | str) -> tuple[torch.Tensor, int]:
+    """One group's packed codes holding every code of ``bits`` bits in order (``0 .. 2**bits -
+    1``, then again up to a valid group size), and that size: what :func:`group_levels`
+    decodes with each group's stats."""
+    levels = 1 << bits
+    width = max(levels, MIN_GROUP_SIZE)
+    codes = torch.arange(width, device=device).remainder_(levels).to(torch.uint8)
+    return pack_bit_fields(codes, bits, planar=False), width
 
 
 def lookup_levels(codes: torch.Tensor, levels: torch.Tensor, bits: int, group_size: int, numel: int) -> torch.Tensor:
