@@ -9,7 +9,8 @@
 // plan's tensor whose storage the session keeps alive anyway (its batch), which is handed
 // back as it is. Everything else goes to that Python implementation, through the ops
 // pack_saved_python / unpack_saved_python: plans not registered yet (the first call of each,
-// a survey still running), and any call while no session is capturing. Python reads the counts at the end of the session (graph_native_drain).
+// a survey still running), and any call while no session is capturing. Python reads the
+// counts at the end of the session (graph_native_drain).
 //
 // The quantizer is called through the dispatcher, so a CUDA tensor goes to the CUDA kernels
 // (or to the reference where they did not build), exactly as from Python.
@@ -37,8 +38,9 @@ namespace {
 // branch whose derivative is the decoded value.
 enum Form : int64_t { kQuant = 0, kMask = 1, kIndex = 2, kDerivative = 3 };
 
-// How a registered plan packs: quantized (``axis`` -1 for memory order; ``survey`` plans
-// return a third part, the matrices (rows, columns) the groups were read as), a mask 8
+// How a registered plan packs: quantized (``axis`` -1 for memory order; ``along_axis``
+// plans, surveyed or given an axis, return a third part, the matrices (rows, columns) the
+// groups were read as), a mask 8
 // values to a byte, or integers as ``value - offset`` in ``bits`` (IndexCodec's layout).
 // Masks and narrow integers go in lightning_act.ops.layout's planar bit fields. A
 // ``kept_only`` plan (its survey undecided) serves only inputs kept alive, which it hands
@@ -50,7 +52,7 @@ struct Packer {
   int64_t bits;
   int64_t group_size;
   int64_t axis;
-  bool survey;
+  bool along_axis;
   int64_t numel;
   int64_t token;
   int64_t offset;
@@ -75,7 +77,7 @@ struct Decoder {
   int64_t offset;
   int64_t bits;
   int64_t group_size;
-  bool survey;
+  bool along_axis;
   Inverse inverse;
 };
 
@@ -291,7 +293,7 @@ std::vector<at::Tensor> unwritten_parts(const Packer& packer, const at::Tensor& 
     return {at::empty({(input.numel() + per_byte - 1) / per_byte}, options.dtype(at::kByte))};
   }
   auto [codes, stats] = empty_codes_and_stats(input.numel(), packer.bits, packer.group_size, options);
-  if (!packer.survey) return {codes, stats};
+  if (!packer.along_axis) return {codes, stats};
   return {codes, stats, at::zeros({2}, at::dtype(at::kLong))};
 }
 
@@ -340,12 +342,12 @@ std::vector<at::Tensor> pack_saved(const at::Tensor& input, c10::string_view pla
     parts = {pack_bit_fields(flat(input).view({-1}).view(at::kByte), 1)};
   } else if (packer.form == kIndex) {
     parts = {pack_index(input, packer.bits, packer.offset)};
-  } else if (!packer.survey) {
+  } else if (!packer.along_axis) {
     auto [codes, stats] = quantize_pack_op().call(flat(input), packer.bits, packer.group_size, seed, false);
     parts = {codes, stats};
   } else {
     // Groups along ``axis``: the input read as matrices of its size by the product of the
-    // later sizes, column by column (a survey plan's input is contiguous).
+    // later sizes, column by column (such a plan's input is contiguous).
     int64_t rows = 0, columns = 0;
     at::Tensor source = input;
     if (packer.axis >= 0 && packer.axis < input.dim() - 1) {
@@ -397,7 +399,7 @@ at::Tensor unpack_saved(at::TensorList parts, c10::SymIntArrayRef sym_size, c10:
   }
   if (decoder.form == kDerivative) return restore(decode_derivative(decoder, parts[0], parts[1], numel, dtype), size, stride);
   int64_t rows = 0, columns = 0;
-  if (decoder.survey) {  // the matrices' shape, on the host
+  if (decoder.along_axis) {  // the matrices' shape, on the host
     const int64_t* shape = parts[2].data_ptr<int64_t>();
     rows = shape[0];
     columns = shape[1];
@@ -437,17 +439,17 @@ int64_t native_next_seed() {
 }
 
 void native_packer(c10::string_view plan, int64_t id, bool kept_only, int64_t form, int64_t bits, int64_t group_size,
-                   int64_t axis, bool survey, int64_t numel, int64_t token, int64_t offset) {
+                   int64_t axis, bool along_axis, int64_t numel, int64_t token, int64_t offset) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.packers[std::string(plan)] = Packer{id, kept_only, form, bits, group_size, axis, survey, numel, token, offset};
+  s.packers[std::string(plan)] = Packer{id, kept_only, form, bits, group_size, axis, along_axis, numel, token, offset};
 }
 
-void native_decoder(c10::string_view plan, int64_t form, int64_t bits, int64_t group_size, bool survey,
+void native_decoder(c10::string_view plan, int64_t form, int64_t bits, int64_t group_size, bool along_axis,
                     int64_t offset) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.decoders[std::string(plan)] = Decoder{form, offset, bits, group_size, survey, {}};
+  s.decoders[std::string(plan)] = Decoder{form, offset, bits, group_size, along_axis, {}};
 }
 
 void native_derivative_decoder(c10::string_view plan, int64_t bits, int64_t group_size, const at::Tensor& level_codes,
@@ -525,9 +527,9 @@ TORCH_LIBRARY_FRAGMENT(lightning_act, m) {
   m.def("graph_native_seeds(int base, int count) -> ()", &native_seeds);
   m.def("graph_native_next_seed() -> int", &native_next_seed);
   m.def("graph_native_packer(str plan, int id, bool kept_only, int form, int bits, int group_size, int axis, "
-        "bool survey, int numel, int token, int offset) -> ()",
+        "bool along_axis, int numel, int token, int offset) -> ()",
         &native_packer);
-  m.def("graph_native_decoder(str plan, int form, int bits, int group_size, bool survey, int offset) -> ()",
+  m.def("graph_native_decoder(str plan, int form, int bits, int group_size, bool along_axis, int offset) -> ()",
         &native_decoder);
   m.def("graph_native_derivative_decoder(str plan, int bits, int group_size, Tensor level_codes, int level_width, "
         "float low, float step, Tensor starts, Tensor slopes) -> ()",

@@ -49,7 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_act import ops
 from lightning_act.backward_reads import PointwiseDerivative, Read, Use, graph_reads
-from lightning_act.capture.decide import BATCH_NORM_OPS, STATISTIC_RATIO, Kind, decide_saved_node
+from lightning_act.capture.decide import BATCH_NORM_OPS, STATISTIC_RATIO, Decision, Kind, decide_saved_node
 from lightning_act.capture.group_order import candidate_axes
 from lightning_act.capture.records import unpack as unpack_eager
 from lightning_act.capture.report import Outcome, ReportDelta, SlotMemory
@@ -93,6 +93,14 @@ class Plan(NamedTuple):
     survey: str | None = None
     #: "index": ``(low, high)`` bounding an integer save's values (:func:`index_bound`).
     index_range: tuple[int, int] | None = None
+    #: "quant": the axis its groups run along, decided with the plan (``Decision.group_axis``:
+    #: a BatchNorm input's batch axis), not surveyed; a third part records the matrices.
+    axis: int | None = None
+
+    @property
+    def along_axis(self) -> bool:
+        """Whether its groups may run along an axis other than the last (three parts)."""
+        return self.survey is not None or self.axis is not None
 
     def substitute(self) -> PointwiseDerivative | None:
         return None if self.derivative is None else PointwiseDerivative.from_source(*self.derivative)
@@ -247,7 +255,7 @@ def _encode(x: torch.Tensor, plan: Plan, seed: int, axis: int | None = None) -> 
         return [pack_bit_fields(_flat(x).view(torch.uint8), 1, planar=True)]
     if plan.form == "index":
         return [IndexCodec().pack(_flat(x), 0, 0, value_range=plan.index_range).codes]
-    if plan.survey is None:
+    if not plan.along_axis:
         return list(_QUANTIZE_PACK(_flat(x), plan.bits, plan.group_size, seed))
     # Groups along ``axis``: read as matrices of its size by the product of the later sizes,
     # column by column (x is contiguous: the plan says so). The matrices' shape goes with
@@ -313,8 +321,11 @@ def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
             capture.account_compiled(plan, input, parts, kept_alive=True)
             NativeSaves.learn(plan, input, parts, capture, kept_alive=True)
             return parts
-        # The slot's group axis, or None (memory order) while its survey runs (first step).
-        axis = None if parsed.survey is None or capture is None else capture.group_orders.order(parsed.survey, input, parsed.bits)
+        # The plan's group axis; a surveyed slot's, or None (memory order) while its survey
+        # runs (first step).
+        axis = parsed.axis
+        if parsed.survey is not None and capture is not None:
+            axis = capture.group_orders.order(parsed.survey, input, parsed.bits)
         parts = _encode(input, parsed, SeedStream.next(), axis)
         if capture is not None:
             capture.account_compiled(plan, input, parts)
@@ -338,7 +349,7 @@ def _decode(parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int
     elif plan.form == "derivative":
         flat = plan.substitute().restore_quantized(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype)
     else:
-        rows, columns = (0, 0) if plan.survey is None else parts[2].tolist()
+        rows, columns = parts[2].tolist() if plan.along_axis else (0, 0)
         flat = _UNPACK_DEQUANTIZE(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype, rows, columns)
     return _restore(flat, size, stride)
 
@@ -466,8 +477,8 @@ class NativeSaves:
                     inverse.slopes)
             else:
                 torch.ops.lightning_act.graph_native_decoder(plan, form, bits, parsed.group_size,
-                                                             parsed.survey is not None, offset)
-        axis, kept_only = None, False
+                                                             parsed.along_axis, offset)
+        axis, kept_only = parsed.axis, False
         if parsed.survey is not None:
             orders = capture.group_orders
             if parsed.survey in orders.axis:
@@ -488,7 +499,7 @@ class NativeSaves:
         cls._entries.append(PackedSave.of(plan, t, parts))
         torch.ops.lightning_act.graph_native_packer(
             plan, packer, kept_only, form, bits, parsed.group_size, -1 if axis is None else axis,
-            parsed.survey is not None, t.numel(), token, offset)
+            parsed.along_axis, t.numel(), token, offset)
 
 
 # --------------------------------------------------------------------------- the hook pair
@@ -1023,6 +1034,10 @@ class GraphPlan:
             bound = index_bound(node)
             if bound is not None and index_layout(*bound, val.dtype) is not None:
                 return Plan("index", 0, 0, module, "", op, 1, index_range=bound), Outcome.LOSSLESS
+        if decision.group_axis is not None and not isinstance(node.meta["val"].shape[decision.group_axis], int):
+            # Its groups divide that axis's size times the later ones: another batch size
+            # (``dynamic=True``) would move them across channels.
+            decision = Decision(Kind.KEEP)
         if decision.kind is not Kind.QUANTIZE:
             return None, Outcome.STATISTIC if decision.kind is Kind.STATISTIC else Outcome.KEPT
         index = self._per_module[module] = self._per_module.get(module, -1) + 1
@@ -1043,7 +1058,8 @@ class GraphPlan:
         surveyed = (capture.chooses_group_axes and decision.row_group is None and val.is_contiguous()
                     and bool(candidate_axes(val, group_size)))
         survey = f"{slot} {tuple(val.shape)}" if surveyed else None
-        return Plan("quant", bits, group_size, module, slot, op, decision.min_bits, survey=survey), Outcome.COMPRESSED
+        return (Plan("quant", bits, group_size, module, slot, op, decision.min_bits, survey=survey,
+                     axis=decision.group_axis), Outcome.COMPRESSED)
 
 
     def _module(self, node: fx.Node) -> str:

@@ -320,6 +320,10 @@ class Decision(NamedTuple):
     #: (DIVISION's and pool's spatial tiles) take the tensor in ``layout``.
     row_group: int | None = None
     row_layout: Layout | None = None
+    #: A compiled graph's :attr:`Kind.QUANTIZE` whose groups (of ``row_group``) run down this
+    #: axis: the tensor read as matrices of its size by the product of the later sizes,
+    #: column by column (eager lays such a tensor out in ``row_layout`` instead).
+    group_axis: int | None = None
 
 
 def source_parameter(t: torch.Tensor) -> tuple[nn.Parameter | None, bool]:
@@ -729,15 +733,20 @@ def decide_saved_node(
     if statistic:
         return Decision(Kind.STATISTIC)
     use = read.use
-    channel_group = None
+    channel_group = channel_axis = None
     if consumers.keys() & BATCH_NORM_OPS and val.dim() >= 3:
         # BatchNorm normalises each channel on its own: a group spanning channels would put a
         # loud channel's rounding noise into a near-constant one, whose 1 / std multiplies it
         # (timm RepVGG's identity branch reads a ReLU output: 8-bit error 0.098). Groups stay
-        # within one sample's map of a channel, in memory order; a map too small for a group
-        # of its own (2 x 2, 7 x 7), or channels-last memory, is kept.
+        # within one sample's map of a channel, in memory order. A map too small for a group
+        # of its own (2 x 2, 7 x 7, 14 x 14) is read channel-major instead, as eager lays it
+        # out: down the batch axis of (batch, channels * map) matrices, where a channel's
+        # values of every sample follow each other. Channels-last memory is kept.
         plane = math.prod(int(s) for s in val.shape[2:]) if val.is_contiguous() else 0
         channel_group = min(plane & -plane, group_size)
+        if channel_group < MIN_GROUP_SIZE and plane > 0 and val.shape[0] > 1:
+            channel = int(val.shape[0]) * plane
+            channel_group, channel_axis = min(channel & -channel, group_size), 0
         if channel_group < MIN_GROUP_SIZE:
             return Decision(Kind.KEEP)
     keeps_zeros = producer in _ZERO_EXACT_OPS
@@ -764,12 +773,12 @@ def decide_saved_node(
             return Decision(Kind.KEEP)  # BatchNorm's channels too short: see decide
     else:
         floor = _FLOORS[use]
-    row_group = channel_group  # set: memory order (a group axis surveyed would run across channels)
+    row_group = channel_group  # set: no survey (a group axis surveyed would run across channels)
     row = _graph_row(val, consumers)
     if row is not None:
         # Groups within rows: the largest power of two dividing a row, up to group_size.
-        row_group = min(row & -row, group_size)
+        row_group, channel_axis = min(row & -row, group_size), None
         if row_group < MIN_GROUP_SIZE:
             return Decision(Kind.KEEP)
         floor = max(floor, _QUADRATIC_BITS)
-    return Decision(Kind.QUANTIZE, floor, keeps_zeros=keeps_zeros, row_group=row_group)
+    return Decision(Kind.QUANTIZE, floor, keeps_zeros=keeps_zeros, row_group=row_group, group_axis=channel_axis)
