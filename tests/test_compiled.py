@@ -110,6 +110,8 @@ def test_two_steps_store_different_noise_without_recompiling():
     one = sum(rel_err(g, exact) for g in steps) / len(steps)
     mean = rel_err(torch.stack(steps).mean(0), exact)
     assert one / mean > 3.0, (one, mean)  # 4 for unbiased noise
+    step(model, run, x, y, bits=2, seed=7)  # a capture's own seed is drawn at run time too
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_a_pointwise_ops_input_is_stored_as_its_derivative_in_the_graph():

@@ -17,6 +17,7 @@ hands each tensor to :meth:`ActivationCapture._pack` here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib.metadata
 import math
@@ -306,7 +307,10 @@ class ActivationCapture:
         choices = getattr(policy, "assignment", None) or getattr(policy, "bits", None)
         key = (id(policy), id(choices))  # an allocation is replaced, never changed in place
         if self._state[0] != key:
-            described = repr((_VERSION, _PLANNING_CODE, self.config, type(policy).__name__, policy.rules.rules,
+            # Not the seed: the graphs draw their noise from a stream seeded at run time, so
+            # a capture per step with a seed of its own must not compile new graphs.
+            planned = dataclasses.replace(self.config, seed=0)
+            described = repr((_VERSION, _PLANNING_CODE, planned, type(policy).__name__, policy.rules.rules,
                               sorted(choices.items()) if isinstance(choices, dict) else choices,
                               getattr(policy, "default_bits", None)))
             self._state = (key, f"lightning_act-{hashlib.sha256(described.encode()).hexdigest()[:24]}")
