@@ -17,8 +17,10 @@ namespace {
 template <typename scalar_t>
 struct InputGroups {
   const scalar_t* input;
+  int64_t numel;
 
   LIGHTNING_ACT_ALWAYS_INLINE const float* operator()(int64_t start, int64_t count, float* buffer) const {
+    prefetch_values<false>(input, start + kGroupsAhead * count, count, numel);
     if constexpr (std::is_same_v<scalar_t, float>) {
       return input + start;
     } else {
@@ -65,7 +67,13 @@ LIGHTNING_ACT_TARGET_AVX2 void move_tile_avx2(const float* from, float* to, int6
   const int64_t to_row = kToTile ? 1 : matrix_stride, to_column = kToTile ? tile_stride : 1;
   const int64_t from_stride = kToTile ? matrix_stride : tile_stride, to_stride = kToTile ? tile_stride : matrix_stride;
   const int64_t block_rows = rows / 8 * 8, block_width = width / 8 * 8;
+  const float* const matrix = kToTile ? from : to;
   for (int64_t r = 0; r < block_rows; r += 8) {
+    // The matrix's rows two blocks ahead, asked for now: rows a page or so apart are a
+    // stride the hardware prefetcher does not follow.
+    for (int64_t k = r + 16; k < std::min(r + 24, rows); ++k) {
+      prefetch_values<!kToTile>(matrix + k * matrix_stride, 0, width, width);
+    }
     for (int64_t c = 0; c < block_width; c += 8) {
       transpose_block_avx2(from + r * from_row + c * from_column, from_stride, to + r * to_row + c * to_column,
                            to_stride);
@@ -201,9 +209,11 @@ struct ColumnMajorInputGroups {
 template <typename scalar_t>
 struct OutputGroups {
   scalar_t* output;
+  int64_t numel;
 
   template <typename Decoded>
   LIGHTNING_ACT_ALWAYS_INLINE void operator()(int64_t start, int64_t count, const Decoded& decoded) const {
+    prefetch_values<true>(output, start + kGroupsAhead * count, count, numel);
     scalar_t* values = output + start;
     for (int64_t i = 0; i < count; ++i) {
       values[i] = static_cast<scalar_t>(decoded(i));
@@ -306,7 +316,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_pack_cpu(const at::Tensor& input, in
       const ColumnMajorInputGroups<scalar_t> source{data, ColumnMajorOrder{input.size(-2), input.size(-1)}};
       encode_groups(source, numel, bits, group_size, static_cast<uint64_t>(seed), codes, stats);
     } else {
-      encode_groups(InputGroups<scalar_t>{data}, numel, bits, group_size, static_cast<uint64_t>(seed), codes, stats);
+      encode_groups(InputGroups<scalar_t>{data, numel}, numel, bits, group_size, static_cast<uint64_t>(seed), codes, stats);
     }
   });
   return {codes, stats};
@@ -323,7 +333,7 @@ at::Tensor unpack_dequantize_cpu(const at::Tensor& codes, const at::Tensor& stat
     if (rows > 0) {
       decode_groups(codes, stats, numel, bits, group_size, ColumnMajorOutputGroups<scalar_t>{data, {rows, columns}});
     } else {
-      decode_groups(codes, stats, numel, bits, group_size, OutputGroups<scalar_t>{data});
+      decode_groups(codes, stats, numel, bits, group_size, OutputGroups<scalar_t>{data, numel});
     }
   });
   return output;
