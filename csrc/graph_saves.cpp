@@ -397,7 +397,9 @@ at::Tensor unpack_saved(at::TensorList parts, c10::SymIntArrayRef sym_size, c10:
   if (decoder.form == kIndex) {
     return restore(unpack_index(parts[0], decoder.bits, decoder.offset, numel, dtype), size, stride);
   }
-  if (decoder.form == kDerivative) return restore(decode_derivative(decoder, parts[0], parts[1], numel, dtype), size, stride);
+  if (decoder.form == kDerivative) {
+    return restore(decode_derivative(decoder, parts[0], parts[1], numel, dtype), size, stride);
+  }
   int64_t rows = 0, columns = 0;
   if (decoder.along_axis) {  // the matrices' shape, on the host
     const int64_t* shape = parts[2].data_ptr<int64_t>();

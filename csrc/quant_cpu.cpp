@@ -316,7 +316,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_pack_cpu(const at::Tensor& input, in
       const ColumnMajorInputGroups<scalar_t> source{data, ColumnMajorOrder{input.size(-2), input.size(-1)}};
       encode_groups(source, numel, bits, group_size, static_cast<uint64_t>(seed), codes, stats);
     } else {
-      encode_groups(InputGroups<scalar_t>{data, numel}, numel, bits, group_size, static_cast<uint64_t>(seed), codes, stats);
+      encode_groups(InputGroups<scalar_t>{data, numel}, numel, bits, group_size, static_cast<uint64_t>(seed), codes,
+                    stats);
     }
   });
   return {codes, stats};
