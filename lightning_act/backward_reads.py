@@ -794,28 +794,44 @@ def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk, c
 def _pointwise_region(target: fx.Node, aliases: list[fx.Node], walk: _Walk, outputs: list[fx.Node],
                       pointwise: Callable) -> tuple[list[fx.Node], list[fx.Node]]:
     """In a compiled region's whole backward: the pointwise nodes computed from ``target``
-    (or ``aliases``, reshapes of it) before anything else reads it, and the one of them the
-    rest of the backward reads (``grad * h(x)``), provided the rest reads it linearly and
-    reads ``target`` through it alone. ``([], [])`` otherwise."""
+    (or ``aliases``, reshapes of it) and the gradient before anything else reads it, and the
+    one of them the rest of the backward reads (``grad * h(x)``), provided the rest reads it
+    linearly and reads ``target`` through it alone. ``([], [])`` otherwise.
+
+    The region is the shortest run of such nodes, in the backward's order, that closes this
+    way: the pointwise nodes after it may be the next op's, reading ``target`` again
+    (BatchNorm's backward multiplies SiLU's gradient by ``x - mean``, recomputed from the
+    same saved input), and a region that took them in would have no single result."""
     reached = set(walk.reached)
     region, inside = [], {target, *aliases}
     for node in walk.reached:
-        if node in inside:
+        if node in inside or not pointwise(node):
             continue
-        if pointwise(node) and all(a in inside or a not in reached for a in node.all_input_nodes):
-            region.append(node)
-            inside.add(node)
-    leaving = [n for n in region if n in outputs or any(u not in inside for u in n.users)]
-    if len(leaving) != 1:
-        return [], []
-    result = leaving[0]
-    for node in walk.reached:
-        if node not in inside and any(a in inside and a is not result for a in node.all_input_nodes):
-            return [], []
-    downstream = _Walk(result, walk.saved)
-    if downstream.result(outputs).use > Use.LINEAR or downstream.thresholds:
-        return [], []
-    return region, [result]
+        if not all(a in inside or a not in reached for a in node.all_input_nodes):
+            continue
+        region.append(node)
+        inside.add(node)
+        leaving = [n for n in region if n in outputs or any(u not in inside for u in n.users)]
+        if len(leaving) != 1 or not _reads_a_gradient(region, reached, inside, leaving[0]):
+            continue
+        result = leaving[0]
+        if any(n not in inside and any(a in inside and a is not result for a in n.all_input_nodes)
+               for n in walk.reached):
+            continue  # the rest still reads target, or a partial result, besides the region's result
+        downstream = _Walk(result, walk.saved)
+        if downstream.result(outputs).use > Use.LINEAR or downstream.thresholds:
+            continue
+        return list(region), [result]
+    return [], []
+
+
+def _reads_a_gradient(region: list[fx.Node], reached: set[fx.Node], inside: set[fx.Node], result: fx.Node) -> bool:
+    """Whether ``region`` multiplies in a value of its result's shape computed without the
+    saved tensor (the gradient reaching the op): a region of ``h(x)`` alone is not yet
+    ``grad * h(x)``."""
+    shape = result.meta["val"].shape
+    return any(a not in reached and a not in inside and isinstance(a.meta.get("val"), torch.Tensor)
+               and a.meta["val"].shape == shape for n in region for a in n.all_input_nodes)
 
 
 def _branch(gm: Callable, dtype: torch.dtype) -> PointwiseDerivative | None:

@@ -6,7 +6,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from lightning_act import ActivationCapture, CompressionConfig, compress_activations, ops
-from lightning_act.capture.group_order import GroupOrders, range_energy
+from lightning_act.capture.group_order import GroupOrders, grouped_pieces, range_energy
 from lightning_act.codecs import quant
 from lightning_act.ops.reference import rounding_variance
 from lightning_act.policy import FixedBits
@@ -185,6 +185,21 @@ def test_the_survey_expects_the_noise_the_quantizer_puts_in(generator, bits):
 def test_range_energy_sums_squared_group_ranges():
     values = torch.tensor([0.0, 1.0, 3.0, 4.0, 10.0, 10.0, -2.0, 0.0, 99.0])  # the ragged tail is left out
     assert range_energy(values, 2).item() == 1.0 + 1.0 + 0.0 + 4.0
+
+
+@pytest.mark.parametrize("shape", [(4, 6, 40), (3, 50, 7), (2, 9, 5, 31), (1, 300, 9)])
+@pytest.mark.parametrize("piece", [8, 64, 1 << 20])
+def test_a_survey_read_in_pieces_reads_the_groups_the_whole_reorder_holds(generator, shape, piece):
+    """Pieces of whole groups, carried across pieces and matrices that do not hold whole
+    groups, hold the groups of the tensor reordered at once, in order."""
+    x = torch.randn(shape, generator=generator)
+    for axis in [None, *range(x.dim() - 1)]:
+        if axis is None:
+            whole_reorder = x.reshape(-1)
+        else:
+            whole_reorder = x.view(-1, x.shape[axis], x.shape[axis + 1:].numel()).transpose(1, 2).reshape(-1)
+        expected = whole_reorder[: whole_reorder.numel() // 8 * 8].view(-1, 8)
+        assert torch.equal(torch.cat(list(grouped_pieces(x, axis, 8, piece))), expected)
 
 
 def test_values_on_the_grid_cost_nothing_so_binary_features_keep_memory_order(generator):

@@ -49,7 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_act import ops
 from lightning_act.backward_reads import PointwiseDerivative, Read, Use, graph_reads
-from lightning_act.capture.decide import BATCH_NORM_OPS, STATISTIC_RATIO, Decision, Kind, decide_saved_node
+from lightning_act.capture.decide import STATISTIC_RATIO, Decision, Kind, decide_saved_node
 from lightning_act.capture.group_order import candidate_axes
 from lightning_act.capture.records import unpack as unpack_eager
 from lightning_act.capture.report import Outcome, ReportDelta, SlotMemory
@@ -777,11 +777,7 @@ def _recomputed_results(saved: fx.Node, computed: dict[str, fx.Node]) -> set[str
         stack.extend(recomputed)
         read_by_backward = len(recomputed) < len(node.users)
         view = _name_of(node.target) in _VIEWS  # the op itself, not the one it was decomposed from
-        # Not BatchNorm's output: with it saved, BatchNorm's input is stored by eager's hand
-        # rule for it (no floor), which holds for eager's backward kernel, not for what a
-        # compiled backward recomputes from it (MobileNetV3 at 2 bits: gradient error 5e4).
-        batch_norm = _op_name(node) in BATCH_NORM_OPS
-        if read_by_backward and not view and not batch_norm and _whole_op_result(computed[node.name]):
+        if read_by_backward and not view and _whole_op_result(computed[node.name]):
             results.add(node.name)
     return results
 
@@ -938,9 +934,10 @@ def _fixed_size(source: Any, dim: Any) -> int | None:
     return size if isinstance(size, int) and size > 0 else None
 
 
-def _first_reader_stack(placeholder: fx.Node) -> dict | None:
-    """The forward module stack of the backward node reading ``placeholder`` whose forward
-    op ran first (views and detaches of it looked through)."""
+def _backward_readers(placeholder: fx.Node) -> list[tuple[int, int, dict]]:
+    """``(forward sequence number, order found, forward module stack)`` of each backward node
+    reading ``placeholder`` (views and detaches of it looked through): which forward op's
+    backward each is, as torch records it."""
     readers, stack, seen = [], list(placeholder.users), set()
     while stack:
         user = stack.pop()
@@ -952,7 +949,7 @@ def _first_reader_stack(placeholder: fx.Node) -> dict | None:
             readers.append((int(order), len(readers), modules))
         elif _op_name(user) in _VIEWS:
             stack.extend(user.users)
-    return min(readers)[2] if readers else None
+    return readers
 
 
 def module_qualname(stack: dict | None) -> str | None:
@@ -997,8 +994,15 @@ class GraphPlan:
         # Each save belongs, as in eager, to the module whose op saved it first: of the
         # backward nodes that read it, the one whose forward op ran first (torch records each
         # one's forward sequence number and module stack).
-        self._modules = {node.name: module_qualname(_first_reader_stack(node))
-                         for node in backward.nodes if node.op == "placeholder"}
+        # The ops that save it, as eager names a save by its op: those whose backward reads it.
+        forward_ops = {int(n.meta["seq_nr"]): _op_name(n) for n in reversed(forward.nodes)
+                       if n.meta.get("seq_nr") is not None}
+        self._modules, self._savers = {}, {}
+        for node in backward.nodes:
+            if node.op == "placeholder":
+                readers = _backward_readers(node)
+                self._modules[node.name] = module_qualname(min(readers)[2] if readers else None)
+                self._savers[node.name] = {forward_ops[r[0]] for r in readers if r[0] in forward_ops}
         self._per_module: dict[str, int] = {}
         outputs = forward.output_node().args[0]
         saved = [n for n in outputs if isinstance(n, fx.Node) and n.name in self._reads and n.op != "placeholder"]
@@ -1022,10 +1026,13 @@ class GraphPlan:
     def _plan(self, node: fx.Node) -> tuple[Plan | None, Outcome]:
         capture = self._capture
         val = _hinted(node.meta.get("val"))
+        if not isinstance(val, torch.Tensor):
+            # A size or a scalar (a data-dependent size top-k pooling saves): nothing to store.
+            return None, Outcome.KEPT
         module = self._module(node)
-        op = producer(node)
+        op, readers = producer(node), consumers(node)
         decision = decide_saved_node(
-            val, self._reads.get(node.name, Read(Use.EXACT)), op, consumers(node),
+            val, self._reads.get(node.name, Read(Use.EXACT)), op, readers,
             min_numel=capture.config.min_numel, group_size=capture.config.group_size, statistic=is_statistic(node),
         )
         if decision.kind is Kind.MASK:
@@ -1040,6 +1047,7 @@ class GraphPlan:
             decision = Decision(Kind.KEEP)
         if decision.kind is not Kind.QUANTIZE:
             return None, Outcome.STATISTIC if decision.kind is Kind.STATISTIC else Outcome.KEPT
+        op = self._rule_op(module, op, self._savers.get(node.name, ()))
         index = self._per_module[module] = self._per_module.get(module, -1) + 1
         slot = f"{module}#{index}"
         numel = val.numel()
@@ -1061,6 +1069,27 @@ class GraphPlan:
         return (Plan("quant", bits, group_size, module, slot, op, decision.min_bits, survey=survey,
                      axis=decision.group_axis), Outcome.COMPRESSED)
 
+
+    def _rule_op(self, module: str, op: str | None, savers: set[str]) -> str | None:
+        """The op a saved node is named by, for its rules and in the report. Eager names a
+        save by the op that saves it (GELU's input: ``gelu``; its output: the next layer's),
+        and a shared copy serves every save at the bits the most demanding one pins; so of
+        the forward ops whose backward reads the node, the one whose rule pins the most bits
+        (exact above all). Where none pins any, the op that computed it, unless a rule names
+        that op and its backward does not read the node (GELU's output, read by the next
+        layer alone: ``op:gelu`` is not about it)."""
+        rules, best, most = self._capture.policy.rules, op, 0.0
+        for name in sorted(savers, key=str):
+            rule = rules.lookup(module, name)
+            if rule is not None and rule.pins_bits:
+                pinned = math.inf if rule.bits is None else rule.bits
+                if pinned > most:
+                    best, most = name, pinned
+        if most == 0.0 and savers and op not in savers:
+            rule = rules.lookup(module, op)
+            if rule is not None and rule.pins_bits:
+                return min(savers, key=str)
+        return best
 
     def _module(self, node: fx.Node) -> str:
         qualname = self._modules.get(node.name) or module_qualname(node.meta.get("nn_module_stack"))
