@@ -7,6 +7,8 @@ accounted.
   storage sharing between saves, accounting and probing;
 * :mod:`~lightning_act.capture.compiled`: the same inside ``torch.compile`` graphs (hooks
   torch inlines into them, decided from the compiled backward);
+* :mod:`~lightning_act.capture.active`: the captures capturing now and the seed mixer, which
+  the engine and the graph ops both read (the graph ops import it, not the engine);
 * :mod:`~lightning_act.capture.records`: what autograd holds instead of a saved tensor;
 * :mod:`~lightning_act.capture.report`: the per-module and per-slot byte report.
 """

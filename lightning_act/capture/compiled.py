@@ -49,6 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_act import ops
 from lightning_act.backward_reads import PointwiseDerivative, Read, Use, graph_reads
+from lightning_act.capture.active import capturing_now, splitmix64
 from lightning_act.capture.decide import STATISTIC_RATIO, Decision, Kind, decide_saved_node
 from lightning_act.capture.group_order import candidate_axes
 from lightning_act.capture.records import unpack as unpack_eager
@@ -193,8 +194,7 @@ class SeedStream:
         # A stream of its own: the eager path's seeds are the session seed plus a count, and
         # the same seeds here would round a graph's saves with the noise of the eager saves
         # of the same step (correlated errors, a bias where backward multiplies the two).
-        engine = _engine()
-        cls.base, cls.count = engine.splitmix64(seed ^ _GRAPH_STREAM), 0
+        cls.base, cls.count = splitmix64(seed ^ _GRAPH_STREAM), 0
         if NativeSaves.loaded():
             torch.ops.lightning_act.graph_native_seeds.default(_signed64(cls.base), 0)
 
@@ -203,7 +203,7 @@ class SeedStream:
         if NativeSaves.loaded():
             return torch.ops.lightning_act.graph_native_next_seed()
         cls.count += 1
-        return _engine().splitmix64(cls.base + cls.count) >> 1
+        return splitmix64(cls.base + cls.count) >> 1
 
 
 def _signed64(value: int) -> int:
@@ -312,7 +312,7 @@ def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
     with torch._C.DisableTorchFunction():
         parsed = _parse(plan)
         ops.ensure_kernels(input.device)
-        capture = _capturing()
+        capture = capturing_now()
         if capture is not None and capture.keeps_alive(input):
             parts = [torch.empty_like(p, device=input.device) if p.is_meta else p
                      for p in _encode(input.detach().to("meta"), parsed, 0)]
@@ -503,14 +503,6 @@ class NativeSaves:
 
 
 # --------------------------------------------------------------------------- the hook pair
-def _engine():
-    return sys.modules["lightning_act.capture.engine"]  # imported: it imports this module
-
-
-def _capturing() -> ActivationCapture | None:
-    return _engine().capturing_now()
-
-
 _GRAPH_COMPILE = "torch._functorch._aot_autograd.graph_compile"
 
 
@@ -524,7 +516,7 @@ def _hook_context() -> dict | None:
 
 @torch.fx.wrap
 def _pack(x: torch.Tensor, state: str) -> Any:
-    capture = _capturing()
+    capture = capturing_now()
     context = _hook_context()
     if context is None:  # called eagerly: an op outside any compiled region
         return (_KEPT, x.detach()) if capture is None else (_EAGER, capture._pack(x))
@@ -689,7 +681,7 @@ class CheaperSaves:
         # The user's activation checkpointing tags what to recompute: left as they chose.
         checkpointed = any("recompute" in node.meta for node in joint.graph.nodes)
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        capture = _capturing()
+        capture = capturing_now()
         if capture is None or checkpointed:
             return forward, backward
         bits = capture.nominal_bits

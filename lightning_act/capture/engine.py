@@ -36,6 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_act import backward_reads
 from lightning_act.capture import compiled as compiled_module
+from lightning_act.capture.active import CAPTURING, capturing_now, splitmix64
 from lightning_act.capture import decide as decide_module
 from lightning_act.capture.compiled import (
     COMPILED_REGION,
@@ -83,7 +84,6 @@ from lightning_act.policy import BitPolicy, FixedBits, SlotInfo
 from lightning_act.policy.bits import parse_rule
 from lightning_act.policy.estimators import GradientSensitivity, probe_sensitivities, update_weights
 
-_MASK64 = (1 << 64) - 1
 _VERSION = importlib.metadata.version("lightning_act")
 # What a compiled graph's plans depend on besides the settings: the code that makes them.
 # Torch's AOT autograd cache reuses a graph across processes by this name, so an upgraded
@@ -91,13 +91,6 @@ _VERSION = importlib.metadata.version("lightning_act")
 _PLANNING_CODE = hashlib.sha256(b"".join(
     Path(module.__file__).read_bytes() for module in (backward_reads, decide_module, compiled_module)
 )).hexdigest()[:16]
-
-
-def splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
 
 
 class Probe:
@@ -830,7 +823,7 @@ class _SharedModuleHooks:
     :meth:`ActivationCapture.watch_ops`).
     """
 
-    capturing: list[ActivationCapture] = []
+    capturing: list[ActivationCapture] = CAPTURING
     _handles: list[torch.utils.hooks.RemovableHandle] = []
     #: The modules whose call switched the trackers, innermost last, each with the state
     #: to restore when it returns.
@@ -916,14 +909,6 @@ def _switch_around_compiled_calls(model: nn.Module) -> None:
 
         call._lightning_act_switch = True
         module._compiled_call_impl = call
-
-
-def capturing_now() -> ActivationCapture | None:
-    """The innermost capture capturing now, not paused (None outside any)."""
-    for capture in reversed(_SharedModuleHooks.capturing):
-        if not capture._paused:
-            return capture
-    return None
 
 
 class _CaptureContext:
