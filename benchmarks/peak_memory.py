@@ -35,6 +35,7 @@ errors, each try in its own process.
     python benchmarks/peak_memory.py                          # every model, about 10 minutes
     python benchmarks/peak_memory.py --models resnet18_cifar --timeline
     python benchmarks/peak_memory.py --largest-batch --models resnet50 transformer --cap-mib 1024
+    python benchmarks/peak_memory.py --first-steps 3 --models transformer gatv2_cora
 """
 
 from __future__ import annotations
@@ -577,6 +578,26 @@ def largest_fitting(fits: Callable[[int], bool], guess: int, floor: int = 1) -> 
     return low
 
 
+def first_steps_part(models: list[str], device: torch.device, data_dir: Path, steps: int, results: dict,
+                     save: Callable[[], None]) -> None:
+    """The peak of each of the first ``steps`` steps of a fresh model in one process, without
+    compression and at 2 bits, with no warm-up step: the first step surveys the group axes and
+    must fit where the steps after it fit (a user sizes the batch by them)."""
+    for name in models:
+        spec = MODELS[name]
+        row: dict = {"title": spec.title, "batch": spec.batch}
+        for method_name in ("none", "act_2bit"):
+            workload = build(name, spec.batch, device, data_dir)
+            method = METHODS[method_name]()
+            method.prepare(workload)
+            row[method_name] = [measure_step(workload, method, device).peak_bytes for _ in range(steps)]
+            log(f"{name} bs{spec.batch} {method_name}: peaks "
+                + ", ".join(f"{peak / MIB:.1f}" for peak in row[method_name]) + " MiB")
+        row["worst_over_none"] = max(row["act_2bit"]) / max(max(row["none"]), 1)
+        results["first_steps"][name] = row
+        save()
+
+
 def batch_part(models: list[str], device: torch.device, data_dir: Path, cap_bytes: int, results: dict,
                save: Callable[[], None], args: argparse.Namespace) -> None:
     for name in models:
@@ -706,6 +727,15 @@ def write_markdown(results: dict, path: Path) -> None:
                 continue
             lines.append(f"| {entry['title']} | {entry['cap_mib']:.0f} | {sizes[0]} | {sizes[1]} | {sizes[2]} "
                          f"| {sizes[1] / max(sizes[0], 1):.2f}x | {sizes[2] / max(sizes[0], 1):.2f}x |")
+    if results["first_steps"]:
+        lines += ["", "## The first steps", "",
+                  "Each step's peak, in one process from a fresh model (no warm-up step; the first surveys "
+                  "group axes).", "",
+                  "| model | batch | none MiB per step | 2-bit MiB per step | worst 2-bit / worst none |",
+                  "|---|---:|---|---|---:|"]
+        for row in results["first_steps"].values():
+            none, act = (", ".join(f"{peak / MIB:.1f}" for peak in row[m]) for m in ("none", "act_2bit"))
+            lines.append(f"| {row['title']} | {row['batch']} | {none} | {act} | {row['worst_over_none']:.2f}x |")
     for row in results["peak"].values():
         for method in ("none", "act_2bit", "codec_floor", "limit"):
             if "timeline" in row[method]:
@@ -725,6 +755,8 @@ def main() -> None:
     parser.add_argument("--largest-batch", action="store_true",
                         help="instead of the peak table: the largest batch under --cap-mib")
     parser.add_argument("--cap-mib", type=float, default=1024.0, help="memory cap of --largest-batch")
+    parser.add_argument("--first-steps", type=int, default=0, metavar="N",
+                        help="instead of the peak table: each of the first N steps' peak, from a fresh model")
     parser.add_argument("--try-timeout", type=float, default=300.0, help="seconds per GPU batch try")
     parser.add_argument("--threads", type=int, default=1, help="intra-op CPU threads")
     parser.add_argument("--try-batch", nargs=3, metavar=("MODEL", "METHOD", "BATCH"), help=argparse.SUPPRESS)
@@ -740,7 +772,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ops.ensure_kernels(device)
     models = args.models or (["resnet50", "transformer"] if args.largest_batch else list(MODELS))
-    stem = f"peak_memory_{device.type}" + ("_batch" if args.largest_batch else "")
+    stem = f"peak_memory_{device.type}" + ("_batch" if args.largest_batch else "_first_steps" if args.first_steps
+                                           else "")
     results = {
         "device_type": device.type,
         "command": "python benchmarks/peak_memory.py " + " ".join(sys.argv[1:]),
@@ -749,6 +782,7 @@ def main() -> None:
         "environment": environment(device),
         "peak": {},
         "largest_batch": {},
+        "first_steps": {},
     }
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -758,6 +792,8 @@ def main() -> None:
 
     if args.largest_batch:
         batch_part(models, device, args.data_dir, cap_bytes, results, save, args)
+    elif args.first_steps:
+        first_steps_part(models, device, args.data_dir, args.first_steps, results, save)
     else:
         peak_part(models, device, args.data_dir, args.timeline, results, save)
     save()
