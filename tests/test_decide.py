@@ -589,3 +589,27 @@ def test_a_call_given_one_tensor_twice_is_traced_with_it_once():
     kinds = [d.kind for d in decisions]
     assert Kind.KEEP not in kinds, kinds
     assert kinds.count(Kind.QUANTIZE) >= 4  # the projection's input, q, k, v, the output
+
+
+def test_a_complex_parameters_view_is_a_parameter_not_stored_memory():
+    """A spectral layer's ``einsum`` saves a permuted view of its complex weight: alive
+    anyway, so passed through and not counted as stored (it was reported as kept bytes)."""
+    from lightning_act import compress_activations
+
+    class Spectral(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(32, 32, 16, dtype=torch.cfloat) / 32)
+
+        def forward(self, x):
+            modes = torch.fft.rfft(x, dim=-1)[..., :16]
+            return torch.fft.irfft(torch.einsum("bin,oin->bon", modes, self.weight), n=64, dim=-1)
+
+    model = Spectral()
+    x = torch.randn(64, 32, 64, requires_grad=True)
+    with compress_activations(model, inputs=x, bits=2) as capture:
+        loss = model(x).square().mean()
+    loss.backward()
+    assert capture.report.counts["parameter"] == 1
+    # What the einsum keeps is the spectrum alone (a view of rfft's whole output).
+    assert capture.report.modules["Spectral"].stored_bytes == 64 * 32 * 33 * 8

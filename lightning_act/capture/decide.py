@@ -568,7 +568,7 @@ def decide(
     if t.layout != torch.strided or t.is_nested:
         return Decision(Kind.KEEP)  # sparse, nested: no codec takes them
     floating = t.is_floating_point()
-    if floating:
+    if floating or t.is_complex():  # a complex parameter's view (a spectral layer's weights) too
         param, recastable = source_parameter(t)
         if param is not None:
             if recastable:
