@@ -972,3 +972,39 @@ def test_a_codec_compiled_graphs_do_not_store_with_is_an_error_naming_it(codec, 
     with pytest.raises(Exception, match=f"{named}.*not available inside torch.compile graphs"):
         with capture.capturing(inputs=x):
             F.cross_entropy(run(x), y)
+
+
+class SpeechHead(nn.Module):
+    """A convolution, a log-softmax and a CTC loss, which Dynamo leaves to eager code at a
+    graph break inside the compiled module: its ``log_alpha`` is ``-inf`` wherever no
+    alignment reaches."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(16, 64, 3, padding=1)
+        self.proj = nn.Linear(64, 30)
+
+    def forward(self, x, targets, input_lengths, target_lengths):
+        h = F.gelu(self.conv(x)).transpose(1, 2)
+        log_probs = self.proj(h).log_softmax(-1).transpose(0, 1)
+        return F.ctc_loss(log_probs, targets, input_lengths, target_lengths)
+
+
+def test_what_eager_code_in_a_compiled_module_saves_unseen_is_kept_exact():
+    """The op tracker is off while a compiled module runs, so an op run eagerly at a graph
+    break saves unseen: its float saves are kept exact (stored at the 8 bits of a save
+    outside any op, the CTC loss's ``-inf`` made every gradient NaN)."""
+    model = seeded(SpeechHead)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, 12, generator=generator)
+    targets = torch.randint(1, 30, (4, 5), generator=generator)
+    lengths = torch.full((4,), 12, dtype=torch.long), torch.tensor([2, 3, 4, 4])
+    model.zero_grad()
+    model(x, targets, *lengths).backward()
+    exact = grads_of(model)
+    run = torch.compile(model, backend="aot_eager")
+    model.zero_grad()
+    with compress_activations(model, inputs=x, bits=8, min_numel=1):
+        loss = run(x, targets, *lengths)
+    loss.backward()
+    assert rel_err(grads_of(model), exact) < 1e-2

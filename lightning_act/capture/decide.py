@@ -55,7 +55,8 @@ Hand rules remain where a measurement, or something the one call cannot show, sa
 * a tensor saved outside any tracked call (``ctx.save_for_backward`` of a custom autograd
   function): 8 bits. Non-reentrant activation checkpointing saves each block's input this
   way and recomputes the whole block from it in backward; at 2 bits that input biased a
-  checkpointed transformer's gradient by 0.22 of its norm;
+  checkpointed transformer's gradient by 0.22 of its norm; one saved while the op tracker
+  is off (eager code a compiled module runs at a graph break, whose op went unseen): exact;
 * a reduction statistic (LayerNorm's mean and rstd, attention's logsumexp): kept exact, as
   backward multiplies its noise into everything and it costs little (a cost rule);
 * parameters, tensors alive anyway, masks and indices, dtypes, layouts and overlapping views
@@ -554,7 +555,8 @@ def _dropout_keep_probability(call: TrackedCall) -> float:
 
 
 def decide(
-    t: torch.Tensor, call: TrackedCall | None, *, external: bool, min_numel: int, group_size: int = 256
+    t: torch.Tensor, call: TrackedCall | None, *, external: bool, min_numel: int, group_size: int = 256,
+    unseen: bool = False,
 ) -> Decision:
     """How to store ``t``, which ``call`` is saving for backward.
 
@@ -562,6 +564,10 @@ def decide(
         t: the saved tensor.
         call: the torch function saving it, None when no tracked function is running.
         external: whether the step keeps ``t``'s storage alive anyway (its input batch).
+        unseen: the op tracker was off when ``t`` was saved (eager code a compiled module runs
+            at a graph break): whatever op saved it went unseen, so a float tensor is kept
+            exact. A compiled CTC loss's ``log_alpha``, ``-inf`` where no alignment reaches,
+            stored at the 8 bits of a save outside any op, made every gradient NaN.
         min_numel: tensors with fewer distinct elements are kept as they are.
         group_size: the quantizer's group size, which a normalisation's rows are compared with.
     """
@@ -576,6 +582,8 @@ def decide(
             return Decision(Kind.PARAMETER if param.dtype == t.dtype else Kind.CAST_PARAMETER)
     if external:
         return Decision(Kind.EXTERNAL)
+    if unseen and floating:
+        return Decision(Kind.KEEP)
     op = None if call is None else call.name
     if floating:
         if t.dtype not in FLOAT_DTYPES:

@@ -418,8 +418,8 @@ class ActivationCapture:
         leaves, module calls and their hooks included); a caller whose whole step runs
         compiled code, with no module call
         around it (Lightning's compiled ``training_step``), turns it off after :meth:`start`.
-        Off, a save made eagerly outside any module is decided without its op (at the
-        floor for saves outside any op): still correct."""
+        Off, a float tensor saved eagerly outside any module is kept exact: its op went
+        unseen (:func:`~lightning_act.capture.decide.decide`'s ``unseen``)."""
         self._tracker.watch(on and self._active and not self._paused)
 
     @property
@@ -597,6 +597,8 @@ class ActivationCapture:
             external=self._live(self._external, ptr),
             min_numel=self.config.min_numel,
             group_size=self.config.group_size,
+            # The attribute, not its property: Dynamo traces this where it inlines the hook.
+            unseen=call is None and not self._tracker._watching,
         )
         if call is not None:
             call.saves += 1
