@@ -985,8 +985,8 @@ class GraphPlan:
         self._capture = capture
         # Each save belongs, as in eager, to the module whose op saved it first: of the
         # backward nodes that read it, the one whose forward op ran first (torch records each
-        # one's forward sequence number and module stack).
-        # The ops that save it, as eager names a save by its op: those whose backward reads it.
+        # one's forward sequence number and module stack). The ops that save it, as eager
+        # names a save by its op, are those whose backward reads it.
         forward_ops = {int(n.meta["seq_nr"]): _op_name(n) for n in reversed(forward.nodes)
                        if n.meta.get("seq_nr") is not None}
         self._modules, self._savers = {}, {}
@@ -1022,9 +1022,9 @@ class GraphPlan:
             # A size or a scalar (a data-dependent size top-k pooling saves): nothing to store.
             return None, Outcome.KEPT
         module = self._module(node)
-        op, readers = producer(node), consumers(node)
+        op = producer(node)
         decision = decide_saved_node(
-            val, self._reads.get(node.name, Read(Use.EXACT)), op, readers,
+            val, self._reads.get(node.name, Read(Use.EXACT)), op, consumers(node),
             min_numel=capture.config.min_numel, group_size=capture.config.group_size, statistic=is_statistic(node),
         )
         if decision.kind is Kind.MASK:
