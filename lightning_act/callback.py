@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_act.capture import ActivationCapture, CompressionReport, splitmix64
-from lightning_act.capture.engine import check_compiled_codecs
+from lightning_act.capture.engine import check_compiled_codecs, runs_compiled
 from lightning_act.config import CompressionConfig
 from lightning_act.monitor import MIB, StepPeakMemory, log_allocation, log_module_memory, module_mean_bits
 from lightning_act.ops import ensure_kernels
@@ -183,7 +183,7 @@ class ActCompression(Callback):
         if stage != "fit":
             return
         if _is_compiled(pl_module):
-            check_compiled_codecs(self.config, self.policy.rules.rules)
+            check_compiled_codecs(self.config, self.policy.rules)
         self.capture = ActivationCapture(self.config, pl_module, self.policy)
         self.capture.group_orders.restore(self._restored_group_axes)
         self._step_peak = StepPeakMemory(trainer.strategy.root_device)
@@ -448,7 +448,4 @@ class _muted_logging:
 def _is_compiled(pl_module: pl.LightningModule) -> bool:
     """Whether the module trains compiled: ``trainer.fit(torch.compile(module))``, or a
     submodule compiled (``torch.compile(submodule)`` or ``submodule.compile()``)."""
-    if getattr(pl_module, "_compiler_ctx", None) is not None:
-        return True
-    return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) or getattr(m, "_compiled_call_impl", None)
-               is not None for m in pl_module.modules())
+    return getattr(pl_module, "_compiler_ctx", None) is not None or any(map(runs_compiled, pl_module.modules()))

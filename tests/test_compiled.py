@@ -1008,3 +1008,15 @@ def test_what_eager_code_in_a_compiled_module_saves_unseen_is_kept_exact():
         loss = run(x, targets, *lengths)
     loss.backward()
     assert rel_err(grads_of(model), exact) < 1e-2
+
+
+def test_the_callback_names_a_codec_graphs_do_not_store_with_when_a_compiled_module_is_set_up():
+    import lightning as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.compile(small_sequential(), backend="aot_eager")
+
+    with pytest.raises(ValueError, match="codec='pool' is not available inside torch.compile graphs"):
+        ActCompression(codec="pool").setup(None, Module(), "fit")

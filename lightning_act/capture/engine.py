@@ -81,7 +81,7 @@ from lightning_act.ops import count_nonfinite_groups
 from lightning_act.ops.validation import MIN_GROUP_SIZE
 from lightning_act.optrack import OpTracker
 from lightning_act.policy import BitPolicy, FixedBits, SlotInfo
-from lightning_act.policy.bits import parse_rule
+from lightning_act.policy.bits import SaveRules
 from lightning_act.policy.estimators import GradientSensitivity, probe_sensitivities, update_weights
 
 _VERSION = importlib.metadata.version("lightning_act")
@@ -329,12 +329,12 @@ class ActivationCapture:
         carry a quantizer's codes, not DIVISION's or the pool codec's tiles): a ``division`` or
         ``pool`` codec, set or named by a rule, is an error here, never silently replaced.
 
-        Inductor lowers the graph after the hooks are inlined, and Inductor lowers the graph after the hooks are inlined, and
+        Inductor lowers the graph after the hooks are inlined, and
         with it on, it stores a channels-last copy of every convolution's weight and input
         for backward, which no hook sees: ResNet-18's forward kept 184.6 MiB compiled against
         142.4 MiB eager, and 51.8 MiB at 2 bits instead of 9.5 MiB
         (``benchmarks/compiled.py``). ``TORCHINDUCTOR_LAYOUT_OPTIMIZATION=1`` keeps it on."""
-        check_compiled_codecs(self.config, self.policy.rules.rules)
+        check_compiled_codecs(self.config, self.policy.rules)
         config = sys.modules.get("torch._inductor.config")
         if config is None or self._layout_optimization is not None or "TORCHINDUCTOR_LAYOUT_OPTIMIZATION" in os.environ:
             return
@@ -849,7 +849,7 @@ class _SharedModuleHooks:
             return
         for capture in cls.capturing:
             capture._enter_module(module)
-        watch = not _runs_compiled(module)
+        watch = not runs_compiled(module)
         if watch != cls.capturing[-1]._tracker.watching:
             cls._switched.append((module, not watch))
             cls._watch(watch)
@@ -875,7 +875,7 @@ class _SharedModuleHooks:
             cls._switched.clear()
 
 
-def _runs_compiled(module: nn.Module) -> bool:
+def runs_compiled(module: nn.Module) -> bool:
     """Whether calling ``module`` runs compiled code: ``torch.compile(module)``,
     ``module.compile()`` or Lightning's compiled module (whose ``forward`` Dynamo wraps),
     unless ``torch.compiler.set_stance("force_eager")`` runs it eagerly (the probes do)."""
@@ -931,19 +931,19 @@ class _CaptureContext:
             self.capture.stop()
 
 
-def check_compiled_codecs(config: CompressionConfig, rules: dict[str, int | str]) -> None:
+def check_compiled_codecs(config: CompressionConfig, rules: SaveRules) -> None:
     """Raise where ``config`` or a rule asks for a codec that compiled graphs do not store
     with (they store with ``quant`` alone)."""
     if config.codec != "quant":
         raise ValueError(
             f"codec={config.codec!r} is not available inside torch.compile graphs, which store saved "
             "tensors with codec='quant' only; use codec='quant' with a compiled model, or run it eagerly")
-    for key, value in rules.items():
-        codec = parse_rule(value, f"rules[{key!r}]").codec
-        if codec not in (None, "quant"):
+    for key, rule in rules.by_key():
+        if rule.codec not in (None, "quant"):
             raise ValueError(
-                f"rules[{key!r}]={value!r} names codec {codec!r}, which is not available inside torch.compile "
-                "graphs (they store saved tensors with 'quant' only); name bits or 'exact' for a compiled model")
+                f"rules[{key!r}]={rules.rules[key]!r} names codec {rule.codec!r}, which is not available inside "
+                "torch.compile graphs (they store saved tensors with 'quant' only); name bits or 'exact' for a "
+                "compiled model")
 
 
 def compress_activations(

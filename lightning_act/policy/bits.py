@@ -110,6 +110,10 @@ class SaveRules:
         self.matched: set[str] = set()
         self._warned: set[str] = set()
 
+    def by_key(self) -> list[tuple[str, Rule]]:
+        """Each key with its parsed rule, in the order given."""
+        return [(key, rule) for key, (_, _, rule) in zip(self.rules, self._parsed)]
+
     def lookup(self, module: str, op: str | None = None) -> Rule | None:
         """The first rule matching ``module`` or ``op``, or None."""
         key = (module, op)
