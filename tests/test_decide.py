@@ -343,6 +343,32 @@ def test_reduction_statistics_are_kept_exact():
     assert [d.kind for d in saved] == [Kind.QUANTIZE, Kind.STATISTIC, Kind.STATISTIC]
 
 
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm", "group_norm", "batch_norm"])
+@pytest.mark.parametrize("row", [1, 2, 7])
+def test_a_normalisation_over_rows_shorter_than_a_group_stores_everything_it_saves_exact(norm, row):
+    """On a row of one value ``x - mean`` is exactly 0: LayerNorm's rounded mean (as large as
+    its input there) made the input gradient 1e8 times the exact one at 8 bits."""
+    if norm == "batch_norm" and row == 1:
+        pytest.skip("BatchNorm needs more than one value per channel to train")
+    torch.manual_seed(0)
+    shapes = {"layer_norm": (3, row), "rms_norm": (3, row), "group_norm": (2, 4, row), "batch_norm": (row, 4)}
+    x = torch.randn(shapes[norm], requires_grad=True)
+    weight = torch.randn(x.shape[-1], requires_grad=True)  # not a parameter: a save it decides
+    forward = {
+        "layer_norm": lambda: F.layer_norm(x, (row,), weight),
+        "rms_norm": lambda: F.rms_norm(x, (row,), weight),
+        "group_norm": lambda: F.group_norm(x, 4),
+        "batch_norm": lambda: F.batch_norm(x, None, None, training=True),
+    }[norm]
+    grad = torch.randn_like(forward())
+    exact = torch.autograd.grad(forward(), x, grad)[0]
+    capture = ActivationCapture(CompressionConfig(bits=8, min_numel=1))
+    with capture.capturing():
+        y = forward()
+    assert torch.equal(torch.autograd.grad(y, x, grad)[0], exact)
+    assert set(capture.report.counts) <= {"kept", "deduplicated"}
+
+
 @pytest.mark.parametrize("cell", [nn.GRU, nn.LSTM, nn.RNN])
 def test_recurrent_calls_are_read_as_the_trace_of_a_short_sequence_reads_them(cell):
     """Recurrent calls are not traced (the trace grows with the sequence): their float saves

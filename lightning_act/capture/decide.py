@@ -462,6 +462,22 @@ def normalized_row(t: torch.Tensor, call: TrackedCall | None) -> int | None:
     return math.prod(t.shape[2:])  # instance_norm: one plane of one sample
 
 
+def _normalizes_short_rows(call: TrackedCall) -> bool:
+    """Whether ``call`` normalises rows of fewer than ``MIN_GROUP_SIZE`` values. Every float
+    tensor it saves is then kept exact: its rows are too short for groups of their own or for
+    rounding to average out over, and backward multiplies a row's noise by its 1 / std. The
+    input alone is not enough: on a row of one value, ``x - mean`` is exactly 0 and a rounded
+    mean (a row's statistic is as large as the input there) made LayerNorm's input gradient
+    1e8 times the exact one."""
+    first = call_argument(call, 0, "input", "self")
+    if not isinstance(first, torch.Tensor) or not first.is_floating_point():
+        return False
+    row = normalized_row(first, call)
+    if row is None:
+        row = _batch_norm_row(first, call)
+    return row is not None and row < MIN_GROUP_SIZE
+
+
 def _row_grouping(row: int, group_size: int, bits: int) -> tuple[int, int]:
     """``(group, padded_row)``: the group size (a power of two from 8 to ``group_size``) and
     the row length padded to whole groups that store a row in the fewest bits at ``bits``
@@ -588,6 +604,8 @@ def decide(
     if floating:
         if t.dtype not in FLOAT_DTYPES:
             return Decision(Kind.KEEP)  # float64: no codec takes it
+        if call is not None and _normalizes_short_rows(call):
+            return Decision(Kind.KEEP)
         read = read_of(t, call)
         if call is not None and (read is None or read.use >= Use.SINGULAR):
             # Backward unseen, reading it exactly, or dividing by it: kept exact.
@@ -637,11 +655,6 @@ def decide(
         if row is None and _is_channel_normalized(t, call, group_size):
             # Each channel one run, so that groups can stay within a channel.
             row, row_layout = t.numel() // t.shape[1], Layout.channel_major(t)
-        shortest = row if row is not None else _batch_norm_row(t, call)
-        if shortest is not None and shortest < MIN_GROUP_SIZE:
-            # Rows too short for groups of their own, or for rounding to average out over: a
-            # narrow row's noise is multiplied by its 1 / std. Exact, and small.
-            return Decision(Kind.KEEP, min_bits)
         row_group = None
         if row is not None and row % group_size:
             row_group, padded_row = _row_grouping(row, group_size, max(min_bits, 2))
