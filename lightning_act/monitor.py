@@ -33,7 +33,9 @@ class StepPeakMemory:
     * CPU on Linux: the process's resident-memory high-water mark (``VmHWM``) since
       :meth:`start`, which resets it through ``/proc/self/clear_refs``: everything the
       process holds, memory the C allocator keeps for reuse included, so it reads higher
-      than the live tensors alone. Two reads of ``/proc`` per step.
+      than the live tensors alone, and by how much depends on the order of allocations
+      (glibc's self-adjusting mmap threshold; ``docs/reference.md``, "A CPU's resident
+      peak"). Two reads of ``/proc`` per step.
     * Elsewhere (other devices, no writable ``/proc``): no figure, ``peak_bytes()`` is None.
 
     The figure is absolute (model, optimizer state and batch included), as the memory a

@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 __all__ = ["LOOK_UP", "OpTracker", "TrackedCall", "autocast_state", "call_argument", "is_same_tensor",
            "saved_index_range"]
 
-#: :attr:`TrackedCall.reads` before the call's first save looks them up.
+#: :attr:`TrackedCall.reads` and ``key`` before the call's first save looks them up.
 LOOK_UP = object()
 
 
@@ -64,7 +64,7 @@ class TrackedCall:
     call makes them, can tell which one is being saved.
     """
 
-    __slots__ = ("name", "func", "args", "kwargs", "saves", "autocast", "reads")
+    __slots__ = ("name", "func", "args", "kwargs", "saves", "autocast", "reads", "key")
 
     def __init__(self, name: str, args: tuple, kwargs: dict, saves: int = 0, func: Any = None,
                  autocast: tuple = ()):
@@ -79,6 +79,9 @@ class TrackedCall:
         #: What the analysis found for the call's saves, looked up at its first save (one
         #: signature per call, not per save); ``LOOK_UP`` until then.
         self.reads: Any = LOOK_UP
+        #: What the decisions about the call's saves depend on besides each tensor
+        #: (:func:`~lightning_act.capture.decide.call_key`); ``LOOK_UP`` until its first save.
+        self.key: Any = LOOK_UP
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")

@@ -343,6 +343,58 @@ def test_reduction_statistics_are_kept_exact():
     assert [d.kind for d in saved] == [Kind.QUANTIZE, Kind.STATISTIC, Kind.STATISTIC]
 
 
+def test_a_step_that_repeats_its_calls_repeats_no_decision_work(monkeypatch):
+    import lightning_act.capture.decide as decide_module
+
+    decided_afresh = []
+    original = decide_module._decide_from_call
+    monkeypatch.setattr(decide_module, "_decide_from_call",
+                        lambda t, c, *rest: decided_afresh.append(c and c.name) or original(t, c, *rest))
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
+    capture = ActivationCapture(CompressionConfig(bits=2, min_numel=1), model)
+    reports = []
+    for batch in (8, 8, 5):
+        with capture.capturing(inputs=None):
+            model(torch.randn(batch, 16)).sum().backward()
+        reports.append((len(decided_afresh), dict(capture.report.counts), capture.report.stored_bytes))
+        decided_afresh.clear()
+    (first, counts, stored), (second, counts_again, stored_again), (new_shape, _, _) = reports
+    assert first > 0 and second == 0 and new_shape == first  # a new batch size is decided afresh
+    assert counts_again == counts and stored_again == stored
+
+
+def test_decisions_found_again_tell_apart_what_the_signature_does_not_show():
+    """A ``mul`` by a factor computed from ``x`` itself (RMSNorm written out) and by another
+    tensor of the same shape have one signature; only the first takes the quadratic floor.
+    A parameter and a leaf that needs a gradient look alike too."""
+    table = {}
+
+    def one_save(x, factor):
+        with OpTracker() as tracker:
+            saved = []
+
+            def pack(t):
+                current = tracker.current_call()
+                saved.append(decide(t, current, external=False, min_numel=1, decided=table))
+                current.saves += 1
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                x * factor
+        return saved
+
+    x = grad_input(4, 64) * 1.0
+    own = torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
+    other = grad_input(4, 1) * 1.0
+    assert max(d.min_bits for d in one_save(x, own)) >= 4
+    assert max(d.min_bits for d in one_save(x, other)) < 4
+    weight = nn.Parameter(torch.randn(4, 64))
+    leaf = torch.randn(4, 64, requires_grad=True)
+    data = grad_input(4, 64) * 1.0
+    assert Kind.PARAMETER in [d.kind for d in one_save(data, weight)]
+    assert Kind.PARAMETER not in [d.kind for d in one_save(data, leaf)]
+
+
 @pytest.mark.parametrize("norm", ["layer_norm", "rms_norm", "group_norm", "batch_norm"])
 @pytest.mark.parametrize("row", [1, 2, 7])
 def test_a_normalisation_over_rows_shorter_than_a_group_stores_everything_it_saves_exact(norm, row):

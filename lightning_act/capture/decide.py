@@ -333,7 +333,9 @@ def source_parameter(t: torch.Tensor) -> tuple[nn.Parameter | None, bool]:
     if isinstance(base, nn.Parameter):
         return base, False
     node = base.grad_fn
-    recastable = node is not None and node.name() == "ToCopyBackward0"
+    if node is None:
+        return None, False  # a leaf that is not a parameter
+    recastable = node.name() == "ToCopyBackward0"
     while node is not None and node.name() in _VIEW_OR_CAST_NODES:
         node = node.next_functions[0][0]
     variable = getattr(node, "variable", None)
@@ -462,6 +464,58 @@ def normalized_row(t: torch.Tensor, call: TrackedCall | None) -> int | None:
     return math.prod(t.shape[2:])  # instance_norm: one plane of one sample
 
 
+#: Decisions :func:`decide` keeps; more distinct ones than this (shapes that change at
+#: every step) start the table again.
+_DECISIONS_KEPT = 4096
+
+
+def call_key(call: TrackedCall | None) -> tuple | None:
+    """What a decision about one of ``call``'s saves depends on besides that tensor's dtype,
+    shape and strides, computed at its first save: the function, each argument's value, or
+    for a tensor its dtype, shape, strides, whether it needs a gradient, is a leaf or a
+    parameter in disguise (which decide what counts as a statistic), and which arguments
+    are one tensor; the autocast in force; for a ``mul``, which arguments it scales by a
+    factor computed from themselves (their history, which no signature shows). ``()`` for
+    no call; None for an argument of a type it does not know (a module, a generator)."""
+    if call is None:
+        return ()
+    if call.key is LOOK_UP:
+        same: dict[int, int] = {}
+        try:
+            arguments = (_argument_key(call.args, same), _argument_key(call.kwargs, same) if call.kwargs else ())
+        except _Unkeyed:
+            call.key = None
+            return None
+        scaled = ()
+        if call.name in _SCALING_OPS:
+            scaled = tuple(isinstance(a, torch.Tensor) and _is_scaled_by_own_row_factor(a, call) for a in call.args)
+        call.key = (call.func, call.name, arguments, call.autocast, scaled)
+    return call.key
+
+
+class _Unkeyed(Exception):
+    pass
+
+
+_PLAIN_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _argument_key(value, same: dict[int, int]):
+    if isinstance(value, torch.Tensor):
+        index = same.setdefault(id(value), len(same))
+        if value.layout != torch.strided or value.is_nested:
+            return index, value.dtype, value.layout, value.requires_grad
+        return (index, value.dtype, value.shape, value.stride(), value.requires_grad, value.grad_fn is None,
+                source_parameter(value)[0] is not None, value.device.type)
+    if isinstance(value, _PLAIN_VALUES):
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple([_argument_key(v, same) for v in value])
+    if isinstance(value, dict):
+        return tuple([(k, _argument_key(v, same)) for k, v in value.items()])
+    raise _Unkeyed
+
+
 def _normalizes_short_rows(call: TrackedCall) -> bool:
     """Whether ``call`` normalises rows of fewer than ``MIN_GROUP_SIZE`` values. Every float
     tensor it saves is then kept exact: its rows are too short for groups of their own or for
@@ -572,7 +626,7 @@ def _dropout_keep_probability(call: TrackedCall) -> float:
 
 def decide(
     t: torch.Tensor, call: TrackedCall | None, *, external: bool, min_numel: int, group_size: int = 256,
-    unseen: bool = False,
+    unseen: bool = False, decided: dict | None = None,
 ) -> Decision:
     """How to store ``t``, which ``call`` is saving for backward.
 
@@ -586,6 +640,9 @@ def decide(
             stored at the 8 bits of a save outside any op, made every gradient NaN.
         min_numel: tensors with fewer distinct elements are kept as they are.
         group_size: the quantizer's group size, which a normalisation's rows are compared with.
+        decided: earlier decisions by what they depend on besides identity (the call's
+            :func:`call_key`, the save's position, dtype, shape and strides), filled and
+            read here, so that a step that repeats its calls repeats no decision work.
     """
     if t.layout != torch.strided or t.is_nested:
         return Decision(Kind.KEEP)  # sparse, nested: no codec takes them
@@ -600,6 +657,24 @@ def decide(
         return Decision(Kind.EXTERNAL)
     if unseen and floating:
         return Decision(Kind.KEEP)
+    if decided is None:
+        return _decide_from_call(t, call, min_numel, group_size)
+    key = call_key(call)
+    if key is None:  # an argument no signature describes: decided afresh
+        return _decide_from_call(t, call, min_numel, group_size)
+    key = (key, -1 if call is None else call.saves, t.dtype, t.shape, t.stride(), min_numel, group_size)
+    decision = decided.get(key)
+    if decision is None:
+        if len(decided) >= _DECISIONS_KEPT:  # new shapes at every step: start again
+            decided.clear()
+        decision = decided[key] = _decide_from_call(t, call, min_numel, group_size)
+    return decision
+
+
+def _decide_from_call(t: torch.Tensor, call: TrackedCall | None, min_numel: int, group_size: int) -> Decision:
+    """The decision for a tensor that is neither a parameter nor alive anyway: from the
+    call's signature, the save's position and the tensor's dtype, shape and strides alone."""
+    floating = t.is_floating_point()
     op = None if call is None else call.name
     if floating:
         if t.dtype not in FLOAT_DTYPES:

@@ -181,6 +181,8 @@ class ActivationCapture:
         self._sign_codec = SignMaskCodec()
         self._index_codec = IndexCodec()
         self._tracker = OpTracker()
+        # Decisions of earlier saves, which later steps' saves of the same calls find again.
+        self._decided: dict[tuple, Decision] = {}
         self.policy = policy or FixedBits(self.config.bits)
         self.model = model
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
@@ -599,6 +601,7 @@ class ActivationCapture:
             group_size=self.config.group_size,
             # The attribute, not its property: Dynamo traces this where it inlines the hook.
             unseen=call is None and not self._tracker._watching,
+            decided=self._decided,
         )
         if call is not None:
             call.saves += 1
