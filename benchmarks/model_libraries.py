@@ -172,7 +172,7 @@ def timm_model(data: Path, arch: str, batch: int = 16, **kwargs) -> Workload:
 class GraphNetwork(nn.Module):
     """Two PyG convolutions with dropout on the features and between the layers."""
 
-    def __init__(self, conv: str, in_channels: int, hidden: int, classes: int):
+    def __init__(self, conv: str, in_channels: int, hidden: int, classes: int, degrees: torch.Tensor | None = None):
         super().__init__()
         from torch_geometric import nn as gnn
 
@@ -186,6 +186,11 @@ class GraphNetwork(nn.Module):
         elif conv == "sage_max":  # max aggregation: scatter_reduce's amax
             self.conv1 = gnn.SAGEConv(in_channels, hidden, aggr="max")
             self.conv2 = gnn.SAGEConv(hidden, classes, aggr="max")
+        elif conv == "pna":  # min, max and std aggregators: amin's and amax's equality tests, a root
+            options = dict(aggregators=["mean", "min", "max", "std"], scalers=["identity", "amplification",
+                           "attenuation"], deg=degrees)
+            self.conv1 = gnn.PNAConv(in_channels, hidden, **options)
+            self.conv2 = gnn.PNAConv(hidden, classes, **options)
         elif conv == "gatv2":
             self.conv1 = gnn.GATv2Conv(in_channels, hidden // 4, heads=4)
             self.conv2 = gnn.GATv2Conv(hidden, classes, heads=1)
@@ -193,7 +198,7 @@ class GraphNetwork(nn.Module):
             self.conv1 = gnn.TransformerConv(in_channels, hidden // 4, heads=4)
             self.conv2 = gnn.TransformerConv(hidden, classes, heads=1)
         else:
-            raise ValueError(f"conv={conv!r} is not supported; allowed: gcn, sage, sage_max, gin, gatv2, transformer")
+            raise ValueError(f"conv={conv!r} is not supported; allowed: gcn, sage, sage_max, pna, gin, gatv2, transformer")
         self.dropout = nn.Dropout(0.5)
 
     def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
@@ -203,7 +208,10 @@ class GraphNetwork(nn.Module):
 
 def pyg_cora(data: Path, conv: str) -> Workload:
     graph = cora(data)
-    model = GraphNetwork(conv, graph.num_features, 64, 7).train()
+    from torch_geometric.utils import degree
+
+    in_degrees = degree(graph.edge_index[1], graph.num_nodes, dtype=torch.long)
+    model = GraphNetwork(conv, graph.num_features, 64, 7, torch.bincount(in_degrees)).train()
     return Workload(
         model,
         _seeded(lambda: F.cross_entropy(model(graph.x, graph.edge_index)[graph.train_mask], graph.y[graph.train_mask])),
@@ -297,6 +305,7 @@ CASES: dict[str, Case] = {
     "pyg_gcn": _case("torch_geometric", pyg_cora, "gcn"),
     "pyg_sage": _case("torch_geometric", pyg_cora, "sage"),
     "pyg_sage_max": _case("torch_geometric", pyg_cora, "sage_max"),
+    "pyg_pna": _case("torch_geometric", pyg_cora, "pna"),
     "pyg_gin": _case("torch_geometric", pyg_cora, "gin"),
     "pyg_gatv2": _case("torch_geometric", pyg_cora, "gatv2"),
     "pyg_transformer": _case("torch_geometric", pyg_cora, "transformer"),

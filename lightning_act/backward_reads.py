@@ -67,7 +67,7 @@ import torch.utils._pytree as pytree
 from lightning_act import ops
 from lightning_act.codecs.quant import QuantizedTensor
 
-__all__ = ["ATTENTION_MASK", "PointwiseDerivative", "Read", "Use", "call_reads", "classify", "graph_reads"]
+__all__ = ["ATTENTION_MASK", "Match", "PointwiseDerivative", "Read", "Use", "call_reads", "classify", "graph_reads"]
 
 
 class Use(enum.IntEnum):
@@ -97,6 +97,29 @@ class Read(NamedTuple):
     #: ``"comparison"``): how backward reads it if a codec keeps the comparisons exact.
     #: :attr:`thresholds` then names the constants.
     value_use: Use | None = None
+    #: :attr:`Use.EXACT` of a tensor backward only tests for equality with a value computed
+    #: from the call's other saves: how to compute that value, so that the outcome alone
+    #: (one bit per element) can be stored.
+    match: Match | None = None
+
+
+class Match(NamedTuple):
+    """Backward reads a saved tensor ``x`` only as ``x == other`` (or ``!=``), where ``other``
+    is computed from other tensors the same call saves: ``scatter_reduce``'s and ``amax``'s
+    ``x == result`` (gathered by the index, or with the reduced dimension put back). Then
+    ``where(x == other, other, nan)`` gives backward the same comparisons, from one bit per
+    element and the other saves."""
+
+    #: The call's save numbers ``other`` is computed from, in the order ``compute`` takes them.
+    partners: tuple[int, ...]
+    #: ``other`` from the tensor's shape and the partners' values (an aten graph cut from the
+    #: traced backward, its views to the trace's sizes made views to the tensor's own).
+    compute: fx.GraphModule
+
+    def stand_in(self, matched: torch.Tensor, partners: list[torch.Tensor]) -> torch.Tensor:
+        """What backward compares in place of the tensor: ``other`` where it matched."""
+        other = self.compute(matched.shape, *partners)
+        return torch.where(matched, other, torch.tensor(float("nan"), dtype=other.dtype, device=other.device))
 
 
 # --------------------------------------------------------------------------- the aten algebra
@@ -1040,7 +1063,115 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
             reads.append(Read(Use.NONE))  # saved and never read in backward
         else:  # read twice (a double backward): the stricter
             reads.append(max((classify(n, tangents, saved) for n in nodes), key=lambda r: r.use))
-    return _Traced(tuple(reads), tuple(saves))
+    return _Traced(_with_matches(reads, slots), tuple(saves))
+
+
+# -------------------------------------------------------------- equality with other saves
+# The ops through which backward computes what it compares a saved tensor with, from the
+# call's other saves. None takes a size, which the trace would have fixed at its shapes,
+# but a view of a reduction's result with the reduced dimensions put back (as ones): that
+# is rebuilt from the compared tensor's own shape (:func:`_put_back_dims`).
+_MATCH_OTHER_OPS = frozenset({"detach", "alias", "gather", "index_select", "unsqueeze", "squeeze", "clone"})
+_MATCH_VIEWS = frozenset({"view", "_unsafe_view", "reshape"})
+_MATCH_PASS = frozenset({"detach", "alias"})
+_EQUALITY = frozenset({"eq", "ne"})
+
+
+def _put_back_dims(result: torch.Tensor, shape: torch.Size, reduced: tuple[int, ...]) -> torch.Tensor:
+    """``result`` viewed as ``shape`` with the ``reduced`` dimensions of size one."""
+    return result.view([1 if d in reduced else size for d, size in enumerate(shape)])
+
+
+def _with_matches(reads: list[Read], slots: dict[int, list[fx.Node]]) -> tuple[Read, ...]:
+    """``reads`` with a :class:`Match` on each save backward only tests for equality with a
+    value computed from other saves. Of two saves compared with each other (``amax``'s input
+    and result), only the larger is stored as its match; the other stays as it is."""
+    matches = {slot: _match(slot, slots) for slot, read in enumerate(reads)
+               if read.use is Use.EXACT and read.reason in _EQUALITY}
+    matches = {slot: match for slot, match in matches.items() if match is not None}
+
+    def numel(slot: int) -> int:
+        val = slots[slot][0].meta.get("val")
+        return val.numel() if isinstance(val, torch.Tensor) else 0
+
+    for slot, match in list(matches.items()):
+        for partner in match.partners:
+            if partner in matches and slot in matches[partner].partners:
+                if (numel(slot), -slot) < (numel(partner), -partner):
+                    matches.pop(slot, None)
+    return tuple(read._replace(match=matches.get(slot)) for slot, read in enumerate(reads))
+
+
+def _match(slot: int, slots: dict[int, list[fx.Node]]) -> Match | None:
+    """The :class:`Match` of save ``slot`` if every read of it is ``x == other`` with one
+    ``other`` computed from other saves, else None."""
+    others, frontier = set(), list(slots[slot])
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            name = _name(user.target) if isinstance(user.target, torch._ops.OpOverload) else None
+            if name in _MATCH_PASS:
+                frontier.append(user)
+            elif name in _EQUALITY and len(user.args) == 2 and not user.kwargs:
+                other = user.args[1] if user.args[0] is node else user.args[0]
+                if not isinstance(other, fx.Node) or other is node:
+                    return None
+                others.add(other)
+            else:
+                return None
+    traced = slots[slot][0].meta.get("val")
+    if len(others) != 1 or not isinstance(traced, torch.Tensor):
+        return None
+    (other,) = others
+    marker_slots = {n: s for s, nodes in slots.items() for n in nodes}
+    needed, stack, partners, reduced = set(), [other], set(), {}
+    while stack:
+        node = stack.pop()
+        if node in needed:
+            continue
+        needed.add(node)
+        if node in marker_slots:
+            if marker_slots[node] == slot:
+                return None  # compared with a value of its own
+            partners.add(marker_slots[node])
+            continue
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            return None
+        name = _name(node.target)
+        if name in _MATCH_VIEWS:
+            dims = _reduced_dims(node.args[1], tuple(traced.shape))
+            if dims is None:
+                return None
+            reduced[node] = dims
+        elif name not in _MATCH_OTHER_OPS:
+            return None
+        stack.extend(node.all_input_nodes)
+    order = sorted(partners)
+    graph = fx.Graph()
+    shape = graph.placeholder("shape")
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders = {s: graph.placeholder(f"save_{s}") for s in order}
+    for node in other.graph.nodes:  # in graph order, so that inputs come first
+        if node not in needed:
+            continue
+        if node in marker_slots:
+            env[node] = placeholders[marker_slots[node]]
+        elif node in reduced:
+            env[node] = graph.call_function(_put_back_dims, (env[node.args[0]], shape, reduced[node]))
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(env[other])
+    return Match(tuple(order), fx.GraphModule(torch.nn.Module(), graph))
+
+
+def _reduced_dims(sizes: Any, traced: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The dimensions a view to ``sizes`` puts back as ones, where ``sizes`` is the compared
+    tensor's traced shape ``traced`` with those dimensions one; None for any other view."""
+    if not isinstance(sizes, (list, tuple)) or len(sizes) != len(traced):
+        return None
+    if not all(isinstance(size, int) and size in (1, full) for size, full in zip(sizes, traced)):
+        return None
+    return tuple(d for d, (size, full) in enumerate(zip(sizes, traced)) if size == 1 and full != 1)
 
 
 # --------------------------------------------------------------- compiled: a backward graph

@@ -80,6 +80,9 @@ class ActCompression(Callback):
         group_order: ``"auto"`` lets each saved tensor's quantization groups run along the
             axis where its first step measures the least rounding noise (along the tokens
             for a transformer's outlier features); ``"memory"`` keeps them along the last.
+        unfused_recurrent: run ``nn.LSTM``/``nn.GRU``/``nn.RNN`` through aten's per-step
+            ops instead of the fused oneDNN or cuDNN kernel, whose opaque workspace cannot be
+            compressed: less memory, more time (``docs/reference.md``, "Recurrent layers").
         estimator: how the adaptive policy measures sensitivity: ``"gradient"`` reuses the
             normal training steps (no extra passes); ``"probe"`` measures each saved
             tensor's gradient error on ``probe_samples`` samples of the batch, linearized:
@@ -111,6 +114,7 @@ class ActCompression(Callback):
         codec: Literal["quant", "division", "pool"] = "quant",
         block: int = 8,
         group_order: Literal["auto", "memory"] = "auto",
+        unfused_recurrent: bool = False,
         estimator: Literal["gradient", "probe", "probe_per_tensor"] = "probe",
         recalibrate_every_n_steps: int = 1000,
         warmup_steps: int = 20,
@@ -120,7 +124,7 @@ class ActCompression(Callback):
         super().__init__()
         self.config = CompressionConfig(
             bits=bits, group_size=group_size, min_numel=min_numel, seed=seed, codec=codec, block=block,
-            group_order=group_order,
+            group_order=group_order, unfused_recurrent=unfused_recurrent,
         )
         if budget is not None and bits != 2:
             raise ValueError(f"bits={bits!r} and budget={budget!r}: set bits for a fixed policy or budget for an adaptive one")

@@ -36,6 +36,11 @@ class CompressionConfig:
             axis) and down the columns (along the axis before it), whichever rounds with
             less noise (see :mod:`lightning_act.capture.group_order`); ``"memory"`` always
             uses memory order.
+        unfused_recurrent: run ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` through aten's
+            per-step ops rather than oneDNN's (CPU) or cuDNN's (GPU) fused kernel while
+            capturing, so that what they save can be compressed: the fused kernels save an
+            opaque byte workspace that must be kept whole. Trades time for memory (see
+            ``docs/reference.md``, "Recurrent layers").
 
     Raises:
         ValueError: a setting is out of range; the message names it and what is allowed.
@@ -48,6 +53,7 @@ class CompressionConfig:
     codec: str = "quant"
     block: int = 8
     group_order: str = "auto"
+    unfused_recurrent: bool = False
 
     def __post_init__(self) -> None:
         if self.group_order not in GROUP_ORDERS:
@@ -63,5 +69,7 @@ class CompressionConfig:
         check_quant_args(self.bits, self.group_size)
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
             raise ValueError(f"min_numel={self.min_numel!r} must be an int >= 0")
+        if not isinstance(self.unfused_recurrent, bool):
+            raise ValueError(f"unfused_recurrent={self.unfused_recurrent!r} must be True or False")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**63)")

@@ -64,7 +64,7 @@ class TrackedCall:
     call makes them, can tell which one is being saved.
     """
 
-    __slots__ = ("name", "func", "args", "kwargs", "saves", "autocast", "reads", "key")
+    __slots__ = ("name", "func", "args", "kwargs", "saves", "autocast", "reads", "key", "saved", "waiting")
 
     def __init__(self, name: str, args: tuple, kwargs: dict, saves: int = 0, func: Any = None,
                  autocast: tuple = ()):
@@ -82,6 +82,13 @@ class TrackedCall:
         #: What the decisions about the call's saves depend on besides each tensor
         #: (:func:`~lightning_act.capture.decide.call_key`); ``LOOK_UP`` until its first save.
         self.key: Any = LOOK_UP
+        #: What autograd holds for each of the call's saves so far, in order, where a later
+        #: save is stored from earlier ones (a comparison's outcome against them).
+        self.saved: list = []
+        #: Saves waiting for later saves of the call, or None: each a function of ``final``
+        #: that stores its save if it can (or, ``final``, when the call returns, as it is)
+        #: and says whether it did; the capture calls them after each save.
+        self.waiting: list | None = None
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -178,10 +185,14 @@ class OpTracker(TorchFunctionMode):
         kwargs = kwargs or {}
         if not _pack_hooks_run():
             return func(*args, **kwargs)
-        self._calls.append(TrackedCall(_function_name(func), args, kwargs, func=func, autocast=autocast_state()))
+        call = TrackedCall(_function_name(func), args, kwargs, func=func, autocast=autocast_state())
+        self._calls.append(call)
         try:
             return func(*args, **kwargs)
         finally:
+            if call.waiting:
+                for settle in call.waiting:
+                    settle(True)
             self._calls.pop()
 
     def current(self) -> str | None:

@@ -621,3 +621,28 @@ def test_a_save_kept_exact_is_never_served_by_an_earlier_rounded_copy():
     (grad,) = torch.autograd.grad(loss, x)
     assert capture.report.counts.get("deduplicated", 0) == 0
     assert torch.equal(grad, exact)
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_unfused_recurrent_layers_are_stored_where_the_fused_kernel_is_kept_whole(cell):
+    """oneDNN's LSTM saves an opaque byte workspace, kept whole; through aten's per-step ops
+    (``unfused_recurrent``) its saves are floats the codecs take. The switches come back."""
+    torch.manual_seed(0)
+    rnn = cell(16, 32, num_layers=2, batch_first=True)
+    x = torch.randn(4, 12, 16)
+    params = list(rnn.parameters())
+    exact = torch.cat([g.flatten() for g in torch.autograd.grad(rnn(x)[0].square().sum(), params)])
+
+    def run(**settings):
+        capture = ActivationCapture(CompressionConfig(bits=8, min_numel=1, **settings), rnn)
+        with capture.capturing(inputs=x):
+            loss = rnn(x)[0].square().sum()
+        noisy = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+        return capture.report, ((noisy - exact).norm() / exact.norm()).item()
+
+    fused, _ = run()
+    unfused, error = run(unfused_recurrent=True)
+    assert torch._C._get_mkldnn_enabled() and torch._C._get_cudnn_enabled()
+    assert error < 0.02
+    if cell is nn.LSTM:  # GRU has no oneDNN kernel on the CPU: one path either way
+        assert unfused.stored_bytes * 3 < fused.stored_bytes, (unfused.stored_bytes, fused.stored_bytes)

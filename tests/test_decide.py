@@ -556,11 +556,11 @@ def test_a_batchnorm_input_shared_with_a_relus_output_gets_groups_within_its_cha
         (lambda x: torch.zeros(4, 64).scatter_reduce(0, torch.randint(0, 4, (64, 64)), x, "amax"), "scatter amax"),
     ],
 )
-def test_tensors_backward_compares_with_another_value_are_kept_exact(func, why):
+def test_tensors_backward_compares_with_another_value_are_kept_exact_or_as_the_outcome(func, why):
     x = grad_input(64, 64)
     decisions = saves_of(func, x)
     float_saves = [d for d in decisions if d.kind not in (Kind.INDEX, Kind.MASK)]
-    assert float_saves and any(d.kind is Kind.KEEP for d in float_saves), why
+    assert float_saves and any(d.kind in (Kind.KEEP, Kind.MATCH) for d in float_saves), why
 
 
 def test_floats_an_op_outside_aten_reads_are_kept_exact():
@@ -691,3 +691,50 @@ def test_a_complex_parameters_view_is_a_parameter_not_stored_memory():
     assert capture.report.counts["parameter"] == 1
     # What the einsum keeps is the spectrum alone (a view of rfft's whole output).
     assert capture.report.modules["Spectral"].stored_bytes == 64 * 32 * 33 * 8
+
+
+def _gradient_with_and_without(forward, x: torch.Tensor):
+    """``x``'s gradient through ``forward`` exactly and with every save captured at 2 bits,
+    and the capture's report."""
+    x = x.detach().requires_grad_(True)
+    out = forward(x * 1.0)
+    grad = torch.randn_like(out)
+    exact = torch.autograd.grad(out, x, grad)[0]
+    capture = ActivationCapture(CompressionConfig(bits=2, min_numel=1))
+    with capture.capturing():
+        out = forward(x * 1.0)
+    return torch.autograd.grad(out, x, grad)[0], exact, capture.report
+
+
+_INDEX = torch.randint(0, 50, (400,), generator=torch.Generator().manual_seed(0))[:, None].expand(400, 16)
+
+
+@pytest.mark.parametrize("reduce", [
+    lambda v: torch.zeros(50, 16).scatter_reduce(0, _INDEX, v, "amax", include_self=False),
+    lambda v: torch.zeros(50, 16).scatter_reduce_(0, _INDEX, v, "amin", include_self=False),
+    lambda v: torch.zeros(50, 16).scatter_reduce(0, _INDEX, v, "amax"),
+    lambda v: torch.amax(v, 1),
+    lambda v: torch.amax(v, -1, keepdim=True),
+    lambda v: torch.amin(v.view(20, 20, 16), (0, 2)),
+], ids=["scatter_amax", "scatter_amin_in_place", "scatter_amax_with_self", "amax", "amax_keepdim", "amin_dims"])
+def test_a_tensor_backward_only_compares_with_a_reduction_is_stored_as_the_outcome(reduce):
+    """Backward tests ``x == result`` (gathered by the index, or with the reduced dimensions
+    put back): one bit per element and the exact result give the same gradient, ties and
+    NaN included."""
+    torch.manual_seed(0)
+    x = torch.randn(400, 16).round()  # ties: several elements equal to their maximum
+    x[3, 5] = float("nan")
+    got, exact, report = _gradient_with_and_without(reduce, x)
+    assert torch.equal(got.isnan(), exact.isnan()) and torch.equal(got.nan_to_num(), exact.nan_to_num())
+    assert report.counts.get("lossless", 0) >= 1 and report.counts.get("kept", 0) <= 1
+    assert report.stored_bytes < x.numel() * 4 / 4
+
+
+def test_a_comparison_traced_at_other_sizes_views_the_result_at_the_calls_own():
+    """``amax``'s backward views its result with the reduced dimension put back, at the sizes
+    the call was traced with; a later call of the same signature at other sizes (the same
+    number of results, so a view at the traced sizes would not fail) puts it back at its own."""
+    torch.manual_seed(0)
+    for shape in ((2, 16, 3), (3, 16, 2)):
+        got, exact, report = _gradient_with_and_without(lambda v: torch.amax(v, 1), torch.randn(shape).round())
+        assert torch.equal(got, exact) and report.counts.get("lossless") == 1

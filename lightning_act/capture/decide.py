@@ -100,7 +100,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from lightning_act.backward_reads import ATTENTION_MASK, PointwiseDerivative, Read, Use, call_reads
+from lightning_act.backward_reads import ATTENTION_MASK, Match, PointwiseDerivative, Read, Use, call_reads
 from lightning_act.capture.records import Layout
 from lightning_act.codecs.exact import INDEX_DTYPES, MaskCodec
 from lightning_act.ops.validation import FLOAT_DTYPES, MIN_GROUP_SIZE
@@ -246,6 +246,9 @@ class Kind(enum.Enum):
     INDEX = "index"
     #: A float activation: stored by the codec and bits the rules and policy choose.
     QUANTIZE = "quantize"
+    #: A float tensor backward only compares for equality with a value computed from other
+    #: saves of its call: the outcome, 1 bit per value, exact (:attr:`Decision.match`).
+    MATCH = "match"
 
 
 class MinusInfinityStandIn:
@@ -321,6 +324,8 @@ class Decision(NamedTuple):
     #: (DIVISION's and pool's spatial tiles) take the tensor in ``layout``.
     row_group: int | None = None
     row_layout: Layout | None = None
+    #: :attr:`Kind.MATCH`: what backward compares the tensor with.
+    match: Match | None = None
     #: A compiled graph's :attr:`Kind.QUANTIZE` whose groups (of ``row_group``) run down this
     #: axis: the tensor read as matrices of its size by the product of the later sizes,
     #: column by column (eager lays such a tensor out in ``row_layout`` instead).
@@ -682,6 +687,8 @@ def _decide_from_call(t: torch.Tensor, call: TrackedCall | None, min_numel: int,
         if call is not None and _normalizes_short_rows(call):
             return Decision(Kind.KEEP)
         read = read_of(t, call)
+        if read is not None and read.match is not None and t.is_contiguous() and t.numel() >= max(min_numel, 1):
+            return Decision(Kind.MATCH, match=read.match)
         if call is not None and (read is None or read.use >= Use.SINGULAR):
             # Backward unseen, reading it exactly, or dividing by it: kept exact.
             return Decision(Kind.STATISTIC if _is_statistic(t, call) else Kind.KEEP)

@@ -51,6 +51,7 @@ from lightning_act.capture.group_order import GroupOrders
 from lightning_act.capture.records import (
     Compressed,
     KeptRecord,
+    MatchedSave,
     ProbeRecord,
     RecastWeight,
     RegionView,
@@ -79,7 +80,7 @@ from lightning_act.codecs import (
 from lightning_act.config import CODECS, CompressionConfig
 from lightning_act.ops import count_nonfinite_groups
 from lightning_act.ops.validation import MIN_GROUP_SIZE
-from lightning_act.optrack import OpTracker
+from lightning_act.optrack import OpTracker, TrackedCall
 from lightning_act.policy import BitPolicy, FixedBits, SlotInfo
 from lightning_act.policy.bits import SaveRules
 from lightning_act.policy.estimators import GradientSensitivity, probe_sensitivities, update_weights
@@ -91,6 +92,11 @@ _VERSION = importlib.metadata.version("lightning_act")
 _PLANNING_CODE = hashlib.sha256(b"".join(
     Path(module.__file__).read_bytes() for module in (backward_reads, decide_module, compiled_module)
 )).hexdigest()[:16]
+
+
+# The kinds of save stored exactly, which a comparison's outcome may be stored against.
+_EXACT_KINDS = frozenset({Kind.KEEP, Kind.STATISTIC, Kind.INDEX, Kind.MASK, Kind.PARAMETER, Kind.EXTERNAL,
+                          Kind.CAST_PARAMETER, Kind.RECAST_WEIGHT})
 
 
 class Probe:
@@ -211,6 +217,9 @@ class ActivationCapture:
         self._probe: Probe | None = None
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._stack: list[str] = []
+        # The recurrent modules running now with their fused kernels switched off, and the
+        # switches to restore when each returns (``unfused_recurrent``).
+        self._fused_switches: list[tuple[nn.Module, bool, bool]] = []
         self._qualnames: dict[str, str] = {}
         self._state: tuple[Any, str] = (None, "")
         self._layout_optimization: bool | None = None  # inductor's, while this session turned it off
@@ -531,8 +540,18 @@ class ActivationCapture:
     # ----------------------------------------------------------------- module attribution
     def _enter_module(self, module: nn.Module) -> None:
         self._stack.append(self._names.get(module) or type(module).__name__)
+        if self.config.unfused_recurrent and isinstance(module, nn.RNNBase) and not self._paused:
+            # The fused kernels are chosen by these switches as the forward runs; backward
+            # follows what the forward built.
+            self._fused_switches.append((module, torch._C._get_mkldnn_enabled(), torch._C._get_cudnn_enabled()))
+            torch._C._set_mkldnn_enabled(False)
+            torch._C._set_cudnn_enabled(False)
 
     def _leave_module(self, module: nn.Module, output: Any) -> None:
+        if self._fused_switches and self._fused_switches[-1][0] is module:
+            _, mkldnn, cudnn = self._fused_switches.pop()
+            torch._C._set_mkldnn_enabled(mkldnn)
+            torch._C._set_cudnn_enabled(cudnn)
         if not self._stack:
             return
         name = self._stack.pop()
@@ -603,9 +622,22 @@ class ActivationCapture:
             unseen=call is None and not self._tracker._watching,
             decided=self._decided,
         )
-        if call is not None:
-            call.saves += 1
+        if call is None:
+            return self._store_decided(t, None, decision, module, ptr)
+        call.saves += 1
+        saved = self._store_decided(t, call, decision, module, ptr)
+        call.saved.append((saved, decision.kind))
+        if call.waiting:
+            call.waiting = [settle for settle in call.waiting if not settle(False)]
+        return saved
+
+    def _store_decided(self, t: torch.Tensor, call: TrackedCall | None, decision: Decision, module: str,
+                       ptr: int) -> Any:
+        """What autograd holds for ``t``, stored as ``decision`` says."""
+        op = None if call is None else call.name
         kind = decision.kind
+        if kind is Kind.MATCH:
+            return self._store_match(t, call, decision, module)
         if kind is Kind.PARAMETER or kind is Kind.EXTERNAL:
             self._count_uncounted(Outcome.PARAMETER if kind is Kind.PARAMETER else Outcome.EXTERNAL)
             return t.detach()
@@ -733,6 +765,32 @@ class ActivationCapture:
             if MIN_GROUP_SIZE <= group_size < codec.group_size:  # else rows too short to align to
                 codec = self._row_codecs.setdefault(group_size, GroupQuantCodec(group_size))
         return codec
+
+    def _store_match(self, t: torch.Tensor, call: TrackedCall, decision: Decision, module: str) -> MatchedSave:
+        """A tensor backward only compares with a value computed from other saves of its call:
+        held as it is until those are saved (within the call), then as the comparison's
+        outcome; as it is for good where a partner is stored lossy or never comes."""
+        saved = MatchedSave(t, decision.match)
+        last = max(decision.match.partners)
+
+        def settle(final: bool) -> bool:
+            if last >= len(call.saved) and not final:
+                return False  # a partner is still to be saved
+            partners = [call.saved[p] for p in decision.match.partners] if last < len(call.saved) else None
+            stored = None
+            if partners is not None and all(kind in _EXACT_KINDS for _, kind in partners):
+                stored = saved.settle([record for record, _ in partners])
+            if stored is None:
+                self._account(module, t, Outcome.KEPT, 0)
+            else:
+                self._account(module, t, Outcome.LOSSLESS, stored).codecs.add(MaskCodec.name)
+            return True
+
+        if last >= call.saves - 1:  # a partner saved after this tensor
+            call.waiting = (call.waiting or []) + [settle]
+        else:
+            settle(False)
+        return saved
 
     def _store_lossless(self, t: torch.Tensor, dense: torch.Tensor, decision: Decision, module: str) -> Compressed:
         """A mask or indices, stored exactly in fewer bits."""

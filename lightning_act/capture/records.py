@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from lightning_act.codecs.exact import MaskCodec
+
 
 def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     """``Tensor.is_contiguous()`` from the shape and strides alone."""
@@ -195,6 +197,43 @@ class KeptRecord:
 
     def unpack(self) -> torch.Tensor:
         return self.dense
+
+
+class MatchedSave:
+    """What autograd holds for a tensor backward only compares for equality with a value its
+    call computes from other saves (:class:`~lightning_act.backward_reads.Match`): once the
+    partners are saved, the comparison's outcome at 1 bit per element and those partners'
+    own records; at unpack, ``other`` where it matched and NaN elsewhere, so that backward's
+    comparisons, and so its gradients, come out as with the tensor itself. Until then, and
+    for good where no outcome could be stored, the tensor itself."""
+
+    __slots__ = ("match", "tensor", "matched", "partners", "shape")
+
+    def __init__(self, t: torch.Tensor, match):
+        self.match = match
+        self.tensor: torch.Tensor | None = t.detach()
+        self.matched = None
+        self.partners: list | None = None
+        self.shape = t.shape
+
+    def settle(self, partners: list) -> int | None:
+        """Store the outcome against ``partners`` (what autograd holds for each, exact):
+        the bytes stored, or None where the tensor stays (a shape or dtype the traced
+        comparison does not hold for)."""
+        try:
+            other = self.match.compute(self.shape, *[unpack(p) for p in partners])
+        except RuntimeError:  # a view the traced comparison made that this call's sizes cannot take
+            return None
+        if other.dtype != self.tensor.dtype or torch.broadcast_shapes(other.shape, self.shape) != self.shape:
+            return None
+        self.matched = MaskCodec().pack(torch.eq(self.tensor, other).contiguous(), 0, 0)
+        self.partners, self.tensor = partners, None
+        return self.matched.nbytes
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor is not None:
+            return self.tensor
+        return self.match.stand_in(self.matched.unpack().view(self.shape), [unpack(p) for p in self.partners])
 
 
 class RecastWeight:
