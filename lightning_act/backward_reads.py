@@ -176,7 +176,8 @@ _LINEAR = frozenset(
 )
 # Products: the result's degree is the sum of the multiplied arguments' degrees.
 _BILINEAR = frozenset({"mul", "mm", "bmm", "matmul", "dot", "vdot", "mv", "outer", "ger", "convolution",
-                       "_convolution", "cross", "kron", "cumprod_backward", "_weight_int8pack_mm"})
+                       "_convolution", "cross", "kron", "cumprod_backward", "_weight_int8pack_mm",
+                       "_grouped_mm"})  # a mixture of experts' matmuls, one per group of rows
 # ``bias + a @ b``: the first argument added, the next two multiplied.
 _ADD_PRODUCT = frozenset({"addmm", "baddbmm", "addbmm", "addmv", "addr", "addcmul"})
 # ``a * b + c``: the first two multiplied, the third added (inductor's decompositions use it).

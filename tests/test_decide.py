@@ -738,3 +738,14 @@ def test_a_comparison_traced_at_other_sizes_views_the_result_at_the_calls_own():
     for shape in ((2, 16, 3), (3, 16, 2)):
         got, exact, report = _gradient_with_and_without(lambda v: torch.amax(v, 1), torch.randn(shape).round())
         assert torch.equal(got, exact) and report.counts.get("lossless") == 1
+
+
+def test_a_grouped_matmul_reads_its_operands_linearly():
+    """A mixture of experts' ``torch._grouped_mm`` (one matmul per group of rows): its backward
+    is two more grouped matmuls, linear in each operand, so both are stored at any bits."""
+    tokens = grad_input(32, 16).to(torch.bfloat16)
+    experts = grad_input(4, 8, 16).to(torch.bfloat16).transpose(-2, -1)
+    offsets = torch.tensor([8, 16, 24, 32], dtype=torch.int32)
+    decisions = saves_of(torch._grouped_mm, tokens, experts, offs=offsets)
+    floats = [d for d in decisions if d.kind is not Kind.INDEX]
+    assert floats and all(d.kind is Kind.QUANTIZE and d.min_bits == 1 for d in floats)

@@ -262,8 +262,7 @@ class ActivationCapture:
                     if buffer is not None:
                         self.mark_external(buffer)
         _SharedModuleHooks.register()
-        if self.model is not None:
-            _switch_around_compiled_calls(self.model)
+        _switch_around_compiled_calls(self._modules)
         _SharedModuleHooks.capturing.append(self)
         SeedStream.restart(seed)
         NativeSaves.follow(self)
@@ -949,14 +948,14 @@ def runs_compiled(module: nn.Module) -> bool:
     return forward is not None and getattr(forward, "_torchdynamo_orig_callable", None) is not None
 
 
-def _switch_around_compiled_calls(model: nn.Module) -> None:
-    """Gives each module of ``model`` compiled in place (``module.compile()``) the switch of
+def _switch_around_compiled_calls(modules: list[nn.Module]) -> None:
+    """Gives each of a model's ``modules`` compiled in place (``module.compile()``) the switch of
     the op tracker around its compiled call that ``torch.compile(module)``'s wrapper gets
     from the module hooks. In place, the hooks run inside the compiled code, where they do
     nothing (Dynamo traces them), so the tracker stayed on and Dynamo traced its handler in
     the compiled frames, which torch 2.14 gets wrong (HF Bloom's ``device`` read as a
     ``torch.Size``). Wrapped once, for good: outside a capture the switch does nothing."""
-    for module in model.modules():
+    for module in modules:
         compiled = module._compiled_call_impl
         if compiled is None or getattr(compiled, "_lightning_act_switch", False):
             continue
