@@ -286,6 +286,32 @@ class Case:
     build: Callable[[Path], Workload]
 
 
+class DeformableNetwork(nn.Module):
+    """A convolutional stem, then torchvision's modulated deformable convolution (offsets and
+    mask predicted from the features, as DCNv2 does), pooled into a classifier."""
+
+    def __init__(self, channels: int = 128, classes: int = 10):
+        super().__init__()
+        from torchvision.ops import DeformConv2d
+
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU())
+        self.offsets = nn.Conv2d(channels, 18, 3, padding=1)
+        self.mask = nn.Conv2d(channels, 9, 3, padding=1)
+        self.deform = DeformConv2d(channels, channels, 3, padding=1)
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        h = F.relu(self.deform(h, self.offsets(h), torch.sigmoid(self.mask(h))))
+        return self.head(h.mean((2, 3)))
+
+
+def torchvision_deformable(data: Path, batch: int = 8) -> Workload:
+    model = DeformableNetwork().train()
+    x, y = cifar_images(data, batch)
+    return Workload(model, _seeded(lambda: F.cross_entropy(model(x), y)), (x, y))
+
+
 def _case(library: str, build: Callable, *args, **kwargs) -> Case:
     return Case(library, lambda data: build(data, *args, **kwargs))
 
@@ -313,6 +339,7 @@ CASES: dict[str, Case] = {
     "torch_gru": _case("torch.nn", torch_rnn, "gru"),
     "diffusers_unet": _case("diffusers", diffusers_unet),
     "torchvision_fasterrcnn": _case("torchvision", torchvision_detector),
+    "torchvision_deformable": _case("torchvision", torchvision_deformable),
 }
 
 

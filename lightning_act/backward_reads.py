@@ -35,12 +35,20 @@ QUADRATIC  multiplies two uses of it (a normalisation's input,     4 bits or mor
 SMOOTH     puts it through a smooth nonlinearity (exp, sigmoid,    8 bits or more; a pointwise
            erf, clamps) or compares it and reads its value          derivative is stored instead
 SINGULAR   divides by it, or takes its log, root or a power        exact
-           below 1, or an aten op not described here
-EXACT      compares it with another value (``amax``'s              exact
-           ``x == result``), casts it to an integer or rounds it,
-           passes it to an op outside aten (``torchvision::*``),
-           or the backward could not be traced
+           below 1, or an aten op not described here and not
+           measured linear in it
+EXACT      compares it with another value (``amax``'s              exact (an equality with
+           ``x == result``), casts it to an integer or rounds it,  other saves: its outcome)
+           passes it to an op outside aten (``torchvision::*``)
+           not measured linear in it, or the backward could not
+           be traced
 ========== ====================================================== ==========================
+
+An op the algebra does not describe (another library's, such as
+``torchvision::_deform_conv2d_backward``, or an aten op torch adds) is measured instead: run on
+random values in a forked copy of the process, is it linear in each argument
+(:func:`linear_arguments`)? It counts as multilinear in those; where it is not, or cannot be
+measured (integer tensor arguments, a crash), the strict reading above holds.
 
 A saved input of a pointwise op whose input gradient is ``grad * h(x)`` (SiLU, GELU, Mish,
 Hardswish, softplus, ELU) gets a :class:`PointwiseDerivative`: ``h(x)`` is stored instead
@@ -54,9 +62,16 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import faulthandler
 import functools
+import logging
 import operator
+import os
+import select
+import signal
 import threading
+import time
+import warnings
 import weakref
 from typing import Any, Callable, Collection, Iterable, NamedTuple
 
@@ -300,8 +315,9 @@ class _Walk:
         if target.namespace not in _ATEN_NAMESPACES:
             if target.namespace == _MARKER_NAMESPACE:
                 return 0  # another saved tensor's read, or a gradient
-            self._record(Use.EXACT, node)  # an op outside aten: what it does is unknown
-            return 1
+            # An op outside aten (torchvision's): linear in what it is measured linear in,
+            # else unknown, and so exact.
+            return self._step_probed(node, Use.EXACT)
         name = _name(target)
         arguments = _arguments(node)
         if name in _SHAPE_ONLY:
@@ -361,8 +377,18 @@ class _Walk:
             grads = [d for (arg_name, _), d in zip(arguments, degrees) if arg_name and arg_name.startswith("grad")]
             saves = [d for (arg_name, _), d in zip(arguments, degrees) if not (arg_name and arg_name.startswith("grad"))]
             return max(max(grads, default=0), 2 * max(saves, default=0))
-        self._record(Use.SINGULAR, node)  # an aten op not described here
-        return 1
+        return self._step_probed(node, Use.SINGULAR)  # an aten op not described here
+
+    def _step_probed(self, node: fx.Node, otherwise: Use) -> int:
+        """An op the algebra does not describe: multilinear in the arguments it is measured
+        linear in (:func:`linear_arguments`); ``otherwise`` where the target reaches any other."""
+        flat = [a for a in pytree.tree_leaves((node.args, node.kwargs))]
+        reached = [i for i, a in enumerate(flat) if self._deg(a)]
+        linear = linear_arguments(node)
+        if linear is None or not set(reached) <= linear:
+            self._record(otherwise, node)
+            return 1
+        return sum(self._deg(flat[i]) for i in reached)
 
     def _step_to_integer(self, node: fx.Node, name: str, arguments) -> int:
         """A node whose result is boolean or integer, computed from the saved tensor."""
@@ -485,6 +511,135 @@ def classify(target: fx.Node, tangents: Iterable[fx.Node] = (), saved: Collectio
         if derivative is not None:
             return Read(Use.LINEAR, derivative=derivative)
     return read
+
+
+# ---------------------------------------------------------- ops the algebra does not know
+# Measured once per op and argument signature: random values, and each float tensor argument
+# moved by a random step as large as its values (a 2-bit rounding's size, so that a function
+# linear only within cells, such as bilinear sampling at learned offsets, shows it). Linear in
+# an argument, the op's change from that step doubles with the step, to round-off. Random
+# values may be out of range for an argument the op reads as an index (``roi_align``'s
+# boxes, whose image index its CPU backward writes through unchecked), so the measurement
+# runs in a forked copy of the process: a crash or a corrupted heap there reads as "cannot
+# be measured", and the training process is untouched.
+_PROBE_NUMEL = 1 << 24  # all arguments together: beyond, unmeasured (exact)
+_PROBE_SECONDS = 120.0  # a measurement still running then is given up (exact)
+_PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+_probed: dict[Any, frozenset[int] | None] = {}
+_probe_cost = {"ops": 0, "seconds": 0.0}
+_log = logging.getLogger(__name__)
+
+
+def linear_arguments(node: fx.Node) -> frozenset[int] | None:
+    """The positions, among the flattened arguments of ``node`` (an op the degree algebra does
+    not describe: another library's, or an aten op torch added), of the tensors it is linear
+    in, each with the others held. None where it cannot be measured: an integer tensor
+    argument (indices or offsets with no value to draw), arguments too large, or an error.
+    Cached per op and signature; the time spent is logged (:func:`probe_cost`)."""
+    flat, spec = pytree.tree_flatten((node.args, node.kwargs))
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in flat]
+    key = (node.target, tuple((v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else v for v in vals))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    if key not in _probed:
+        started = time.perf_counter()
+        _probed[key] = _in_forked_child(lambda: _measure_linearity(node.target, vals, spec))
+        elapsed = time.perf_counter() - started
+        _probe_cost["ops"] += 1
+        _probe_cost["seconds"] += elapsed
+        _log.info("lightning_act: measured how %s reads its arguments in %.1f ms: linear in %s", node.target,
+                  elapsed * 1e3, "nothing measurable" if _probed[key] is None else sorted(_probed[key]))
+    return _probed[key]
+
+
+def probe_cost() -> dict[str, float]:
+    """How many op signatures :func:`linear_arguments` measured in this process, and the time."""
+    return dict(_probe_cost)
+
+
+def _measure_linearity(op: Callable, vals: list, spec) -> frozenset[int] | None:
+    tensors = [i for i, v in enumerate(vals) if isinstance(v, torch.Tensor)]
+    if any(not vals[i].is_floating_point() for i in tensors):
+        return None
+    if sum(vals[i].numel() for i in tensors) > _PROBE_NUMEL:
+        return None
+    for dtype in (torch.float64, torch.float32):
+        generator = torch.Generator().manual_seed(0)
+        values = list(vals)
+        for i in tensors:
+            values[i] = torch.randn(vals[i].shape, dtype=dtype, generator=generator)
+
+        def run(moved: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+            args, kwargs = pytree.tree_unflatten([moved.get(i, v) for i, v in enumerate(values)], spec)
+            out = op(*args, **kwargs)
+            return [o.double() for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+
+        try:
+            with torch.no_grad():
+                base = run({})
+                linear = set()
+                for i in tensors:
+                    step = torch.randn(vals[i].shape, dtype=dtype, generator=generator)
+                    once = run({i: values[i] + step})
+                    twice = run({i: values[i] + 2 * step})
+                    if all(_doubles(b, o, t, _PROBE_TOLERANCE[dtype]) for b, o, t in zip(base, once, twice)):
+                        linear.add(i)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            continue  # no float64 kernel: the dtype it runs in
+        return frozenset(linear)
+    return None
+
+
+def _in_forked_child(work: Callable[[], frozenset[int] | None]) -> frozenset[int] | None:
+    """``work()`` in a forked copy of this process (one CPU thread, never a GPU), its result
+    sent back through a pipe; None where it crashed, hung or this platform cannot fork."""
+    if not hasattr(os, "fork"):
+        return None
+    read_end, write_end = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # forking a threaded process: the child runs one
+        pid = os.fork()
+    if pid == 0:  # the child: what it does never returns here
+        status = 1
+        try:
+            os.close(read_end)
+            faulthandler.disable()  # a crash here is an answer, not an error to print
+            silent = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(silent, 1)
+            os.dup2(silent, 2)
+            torch.set_num_threads(1)  # the parent's OpenMP pool does not exist in a forked child
+            result = work()
+            os.write(write_end, b"-" if result is None else ",".join(map(str, sorted(result))).encode() + b".")
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    answer, deadline = b"", time.monotonic() + _PROBE_SECONDS
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([read_end], [], [], max(deadline - time.monotonic(), 0.0))
+            chunk = os.read(read_end, 1 << 16) if ready else b""
+            if not chunk:
+                break
+            answer += chunk
+    finally:
+        os.close(read_end)
+        if time.monotonic() >= deadline:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    if status != 0 or not answer.endswith(b".") or answer == b"-":
+        return None
+    text = answer[:-1].decode()
+    return frozenset(int(i) for i in text.split(",")) if text else frozenset()
+
+
+def _doubles(base: torch.Tensor, once: torch.Tensor, twice: torch.Tensor, tolerance: float) -> bool:
+    """Whether ``twice - base`` is twice ``once - base``, to ``tolerance`` of its size."""
+    change = once - base
+    scale = max(change.abs().max().item(), base.abs().max().item(), 1e-30)
+    return bool(((twice - base) - 2 * change).abs().max().item() <= tolerance * scale)
 
 
 # ------------------------------------------------------------------- pointwise derivatives

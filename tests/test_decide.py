@@ -1,6 +1,8 @@
 """The storage rules of :func:`lightning_act.capture.decide.decide`, on small tensors: calls
 built by hand, and the saves of real calls decided as the capture decides them."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -749,3 +751,58 @@ def test_a_grouped_matmul_reads_its_operands_linearly():
     decisions = saves_of(torch._grouped_mm, tokens, experts, offs=offsets)
     floats = [d for d in decisions if d.kind is not Kind.INDEX]
     assert floats and all(d.kind is Kind.QUANTIZE and d.min_bits == 1 for d in floats)
+
+
+def test_a_deformable_convolution_is_stored_where_its_backward_is_measured_linear():
+    """``torchvision::_deform_conv2d_backward`` is outside aten: measured on random values, it
+    is linear in the input, the weight and the modulation mask, which are stored at any bits;
+    bilinear sampling at the offsets jumps from cell to cell, so they are kept exact."""
+    torchvision = pytest.importorskip("torchvision")
+    x, offsets, mask = grad_input(2, 8, 10, 10), grad_input(2, 18, 8, 8), grad_input(2, 9, 8, 8)
+    weight = nn.Parameter(torch.randn(16, 8, 3, 3))
+    kinds = [d.kind for d in saves_of(torchvision.ops.deform_conv2d, x, offsets, weight, mask=mask)]
+    assert kinds[:4] == [Kind.QUANTIZE, Kind.PARAMETER, Kind.KEEP, Kind.QUANTIZE]
+
+
+_probed_library = torch.library.Library("lightning_act_test", "DEF")
+_probed_library.define("scale(Tensor x, Tensor s, bool crash) -> Tensor")
+_probed_library.define("scale_backward(Tensor grad, Tensor x, Tensor s, bool crash) -> (Tensor, Tensor)")
+
+
+@torch.library.impl(_probed_library, "scale", "CompositeExplicitAutograd")
+def _scale(x, s, crash):
+    return x * s
+
+
+@torch.library.impl(_probed_library, "scale_backward", "CompositeExplicitAutograd")
+def _scale_backward(grad, x, s, crash):
+    if crash:
+        os.abort()  # an op that writes through an index it does not check, on values it was not meant for
+    return grad * s, (grad * x).sum_to_size(s.shape)
+
+
+@torch.library.register_fake("lightning_act_test::scale_backward", lib=_probed_library)
+def _scale_backward_fake(grad, x, s, crash):
+    return torch.empty_like(x), torch.empty_like(s)
+
+
+def _scale_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.crash = inputs[2]
+
+
+def _scale_derivative(ctx, grad):
+    return (*torch.ops.lightning_act_test.scale_backward(grad, *ctx.saved_tensors, ctx.crash), None)
+
+
+torch.library.register_autograd("lightning_act_test::scale", _scale_derivative, setup_context=_scale_setup,
+                                lib=_probed_library)
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_an_op_outside_aten_is_measured_in_a_forked_process(crash):
+    """Measured linear, an unknown op's saves are stored at any bits. Where the measurement
+    kills its process, they are kept exact, and this process runs on."""
+    x, s = grad_input(64, 64), grad_input(64, 1)
+    decisions = saves_of(torch.ops.lightning_act_test.scale, x, s, crash)
+    assert [d.kind for d in decisions] == [Kind.KEEP] * 2 if crash else [Kind.QUANTIZE] * 2
