@@ -1212,14 +1212,32 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
         if n.args[1] >= 0:
             slots.setdefault(n.args[1], []).append(n)
     saved = {n for marked in slots.values() for n in marked}
+    written = _written(gm.graph)
     reads = []
     for slot in range(len(saves)):
         nodes = slots.get(slot, [])
         if not nodes:
             reads.append(Read(Use.NONE))  # saved and never read in backward
+        elif any(n.args[0] in written for n in nodes):
+            # Saved, then written by the call itself (``rrelu``'s noise, which its kernel fills
+            # after autograd saved the empty buffer): only the tensor itself holds what
+            # backward will read.
+            reads.append(Read(Use.EXACT, reason="written after it is saved"))
         else:  # read twice (a double backward): the stricter
             reads.append(max((classify(n, tangents, saved) for n in nodes), key=lambda r: r.use))
     return _Traced(_with_matches(reads, slots), tuple(saves))
+
+
+def _written(graph: fx.Graph) -> set[fx.Node]:
+    """The values an op of ``graph`` writes into (an argument its schema marks mutable)."""
+    written = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for argument, value in zip(node.target._schema.arguments, node.args):
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, fx.Node):
+                written.add(value)
+    return written
 
 
 # -------------------------------------------------------------- equality with other saves

@@ -528,8 +528,11 @@ def _normalizes_short_rows(call: TrackedCall) -> bool:
     input alone is not enough: on a row of one value, ``x - mean`` is exactly 0 and a rounded
     mean (a row's statistic is as large as the input there) made LayerNorm's input gradient
     1e8 times the exact one."""
+    if call.name not in _ROW_NORMALIZING_OPS and call.name not in _SCALING_OPS and call.name not in BATCH_NORM_OPS:
+        return False
     first = call_argument(call, 0, "input", "self")
-    if not isinstance(first, torch.Tensor) or not first.is_floating_point():
+    if (not isinstance(first, torch.Tensor) or not first.is_floating_point() or first.layout != torch.strided
+            or first.is_nested):
         return False
     row = normalized_row(first, call)
     if row is None:
