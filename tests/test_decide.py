@@ -243,10 +243,10 @@ def test_ops_reading_only_whether_inside_an_interval_get_an_interval_mask():
     assert decided(x, call("relu6", x)).interval == (0.0, 6.0)
     assert decided(x, call("hardsigmoid", x)).interval == (-3.0, 3.0)
     assert decided(x, call("hardsigmoid", x)).kind is Kind.SIGN_MASK
-    # Compared with constants where no mask keeps the comparisons (an empty interval,
-    # clamp's ends): kept exact rather than rounded across them.
-    assert decided(x, call("hardtanh", x, 1.0, 1.0)).kind is Kind.KEEP
-    assert decided(x, call("clamp", x, -0.5, 0.5)).kind is Kind.KEEP
+    # Compared with constants where no 1-bit mask keeps the comparisons (an empty interval,
+    # clamp's inclusive ends): the cells between the constants, never rounded across them.
+    assert decided(x, call("hardtanh", x, 1.0, 1.0)).kind is Kind.CELLS
+    assert decided(x, call("clamp", x, -0.5, 0.5)).cells.thresholds == (-0.5, 0.5)
 
 
 @pytest.mark.parametrize("activation", [F.silu, F.gelu, F.mish, F.hardswish, F.elu, F.softplus, torch.erfc])
@@ -806,3 +806,28 @@ def test_an_op_outside_aten_is_measured_in_a_forked_process(crash):
     x, s = grad_input(64, 64), grad_input(64, 1)
     decisions = saves_of(torch.ops.lightning_act_test.scale, x, s, crash)
     assert [d.kind for d in decisions] == [Kind.KEEP] * 2 if crash else [Kind.QUANTIZE] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compare", [
+    lambda v: v.clamp(min=1e-5), lambda v: v.clamp(-1, 1), lambda v: F.threshold(v, 0.5, 0.0),
+], ids=["clamp_min", "clamp_interval", "threshold"])
+def test_a_tensor_backward_only_compares_with_constants_is_stored_as_its_cells(compare, dtype):
+    """The cell between the constants each value falls in, equality and NaN included, gives
+    backward the same comparisons: the gradient bit for bit, in 2 or 4 bits per value."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 64)
+    x[0, :5] = torch.tensor([1e-5, 0.5, 1.0, -1.0, float("nan")])
+    got, exact, report = _gradient_with_and_without(compare, x.to(dtype))
+    assert torch.equal(got.isnan(), exact.isnan()) and torch.equal(got.nan_to_num(), exact.nan_to_num())
+    assert report.counts == {"lossless": 1}
+    assert report.stored_bytes <= x.numel() // 2
+
+
+def test_cells_between_constants_one_rounding_apart_are_not_made():
+    from lightning_act.capture.decide import ThresholdCells
+
+    assert ThresholdCells.of((1.0, 1.0 + 1e-9), torch.float32) is None  # one float32 value
+    assert ThresholdCells.of((float("inf"),), torch.float32) is None
+    cells = ThresholdCells.of((0.0, 1.0), torch.float32)
+    assert cells.count == 6 and cells.values[1] == 0.0 and cells.values[3] == 1.0

@@ -87,11 +87,6 @@ KNOWN_FAILURES = {
         "alone compressed, 8 tensors of 19.9M values) and the linear inputs (0.0061 alone); no single tensor "
         "carries it (benchmarks/model_libraries.py find_culprits, 2 seeds)"
     ),
-    ("pyg_pna", "kept_memory"): (
-        "5.30x (2.82x before min and max messages were stored as their 1-bit equality outcomes): the "
-        "node-level tensors, 2708 x 1433 each (about 15 MiB), stay exact: the min and max results (the other "
-        "side of the equality test), the mean's and std's denominators, and the std's root and clamp"
-    ),
     ("torch_lstm", "kept_memory"): (
         "1.16x: oneDNN's uint8 workspace (8,011,776 bytes per layer, 83% of what the forward keeps) is an "
         "opaque byte buffer spanning all 256 values: kept as it is (no narrower code exists); the float "

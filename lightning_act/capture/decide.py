@@ -249,6 +249,65 @@ class Kind(enum.Enum):
     #: A float tensor backward only compares for equality with a value computed from other
     #: saves of its call: the outcome, 1 bit per value, exact (:attr:`Decision.match`).
     MATCH = "match"
+    #: A float tensor backward only compares with constants: the cell each value falls in
+    #: between them, a few bits per value, exact for those comparisons (:attr:`Decision.cells`).
+    CELLS = "cells"
+
+
+class ThresholdCells(NamedTuple):
+    """A tensor backward only compares with constants (``clamp(min=eps)``'s ``x >= eps``, a
+    threshold): stored as the cell each value falls in (below the first constant, equal to
+    it, between it and the next, ..., above the last, NaN), so ``2 k + 2`` cells for ``k``
+    constants (2 bits for one), and decoded to a value in that cell. Every comparison of the
+    decoded tensor with those constants, strict or not, comes out as with the tensor itself.
+    Use :meth:`of`, which checks that each cell has a value in the tensor's dtype."""
+
+    thresholds: tuple[float, ...]
+    #: A value in each cell, in the tensor's dtype (as floats; NaN last).
+    values: tuple[float, ...]
+    dtype: torch.dtype
+
+    #: The stored cells serve this op alone: another op's save of the tensor is stored again.
+    for_its_op_alone = True
+
+    @staticmethod
+    def of(thresholds: tuple[float, ...], dtype: torch.dtype) -> ThresholdCells | None:
+        """The cells between ``thresholds`` for a tensor of ``dtype``; None where a cell has no
+        value of its own in that dtype (constants one rounding apart, or not finite)."""
+        if not thresholds or not all(math.isfinite(c) for c in thresholds):
+            return None
+        constants = torch.tensor(sorted(set(thresholds)), dtype=torch.float64).to(dtype)
+        if constants.unique().numel() != len(set(thresholds)):
+            return None  # two constants the same in this dtype: their comparisons differ
+        edges = constants.tolist()
+        values = [edges[0] - max(1.0, abs(edges[0]))]
+        for low, high in zip(edges, edges[1:]):
+            values += [low, low + (high - low) / 2]
+        values += [edges[-1], edges[-1] + max(1.0, abs(edges[-1]))]
+        inside = torch.tensor(values, dtype=torch.float64).to(dtype)
+        if not bool(inside.isfinite().all()):
+            return None
+        expected = ThresholdCells(tuple(edges), (), dtype).cell(inside)
+        if not torch.equal(expected, torch.arange(len(values), dtype=torch.uint8)):
+            return None  # a value that rounds out of its cell in this dtype
+        return ThresholdCells(tuple(edges), tuple(inside.tolist()) + (math.nan,), dtype)
+
+    @property
+    def count(self) -> int:
+        return 2 * len(self.thresholds) + 2
+
+    def cell(self, x: torch.Tensor) -> torch.Tensor:
+        """The cell of each value of ``x``: ``uint8``, NaN in the last."""
+        cells = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+        for constant in self.thresholds:
+            cells += (x > constant).to(torch.uint8) * 2 + (x == constant).to(torch.uint8)
+        return cells.masked_fill_(x.isnan(), 2 * len(self.thresholds) + 1)
+
+    def unpack(self, record) -> torch.Tensor:
+        """A tensor in the recorded cells, from the record of :meth:`cell`."""
+        cells = record.unpack()
+        values = torch.tensor(self.values, dtype=self.dtype, device=cells.device)
+        return values[cells.long()]
 
 
 class MinusInfinityStandIn:
@@ -326,6 +385,8 @@ class Decision(NamedTuple):
     row_layout: Layout | None = None
     #: :attr:`Kind.MATCH`: what backward compares the tensor with.
     match: Match | None = None
+    #: :attr:`Kind.CELLS`: the constants backward compares the tensor with, and their cells.
+    cells: ThresholdCells | None = None
     #: A compiled graph's :attr:`Kind.QUANTIZE` whose groups (of ``row_group``) run down this
     #: axis: the tensor read as matrices of its size by the product of the later sizes,
     #: column by column (eager lays such a tensor out in ``row_layout`` instead).
@@ -469,6 +530,8 @@ def normalized_row(t: torch.Tensor, call: TrackedCall | None) -> int | None:
     return math.prod(t.shape[2:])  # instance_norm: one plane of one sample
 
 
+# Cells a tensor compared with constants is stored in at most (three constants, 3 bits).
+_MOST_CELLS = 8
 #: Decisions :func:`decide` keeps; more distinct ones than this (shapes that change at
 #: every step) start the table again.
 _DECISIONS_KEPT = 4096
@@ -709,7 +772,10 @@ def _decide_from_call(t: torch.Tensor, call: TrackedCall | None, min_numel: int,
             ):
                 kind = Kind.SIGN_MASK
             else:
-                return Decision(Kind.KEEP, min_bits)
+                cells = ThresholdCells.of(read.thresholds, t.dtype)
+                if cells is None or cells.count > _MOST_CELLS:
+                    return Decision(Kind.KEEP, min_bits)
+                kind = Kind.CELLS
         else:
             kind = Kind.QUANTIZE
     elif t.dtype == torch.bool:
@@ -761,6 +827,8 @@ def _decide_from_call(t: torch.Tensor, call: TrackedCall | None, min_numel: int,
         )
     if kind is Kind.INDEX:
         return Decision(kind, min_bits, value_range=value_range, layout=layout)
+    if kind is Kind.CELLS:
+        return Decision(kind, min_bits, cells=cells, layout=layout)
     if kind is Kind.SIGN_MASK and op in _DROPOUT_OPS:
         return Decision(kind, min_bits, divisor=_dropout_keep_probability(call), layout=layout)
     if kind is Kind.SIGN_MASK:

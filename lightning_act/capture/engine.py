@@ -673,15 +673,17 @@ class ActivationCapture:
 
         A view that fills a run of storage is keyed by that run, so that its other views (a
         transpose, a reshape) find its copy; any other view by its own layout. A sign mask,
-        or a substitute stored in the tensor's place, serves only its op: the same tensor
-        saved by another op is stored again.
+        the cells between constants, or a substitute stored in the tensor's place, serves
+        only saves stored in that same form: another op's save of the tensor is stored again.
         """
         region = storage_region(t)
         where = region if region is not None else (t.storage_offset(), t.shape, t.stride())
-        for_its_op_alone = decision.kind is Kind.SIGN_MASK or (
-            decision.substitute is not None and decision.substitute.for_its_op_alone
-        )
-        return (ptr, where, t.dtype, t._version, for_its_op_alone), region
+        form = None
+        if decision.kind is Kind.SIGN_MASK or decision.kind is Kind.CELLS:
+            form = (decision.kind, decision.divisor, decision.interval, decision.cells)
+        elif decision.substitute is not None and decision.substitute.for_its_op_alone:
+            form = decision.substitute
+        return (ptr, where, t.dtype, t._version, form), region
 
     def _shared_copy(self, key: tuple, t: torch.Tensor, module: str, op: str | None, decision: Decision) -> Any:
         """What autograd may hold for ``t`` from an earlier save's copy, or None."""
@@ -798,6 +800,11 @@ class ActivationCapture:
             record = self._index_codec.pack(dense, 0, 0, value_range=decision.value_range)
         elif kind is Kind.SIGN_MASK:
             record = self._sign_codec.pack(dense, 0, 0, divisor=decision.divisor, interval=decision.interval)
+        elif kind is Kind.CELLS:
+            cells = decision.cells
+            record = self._index_codec.pack(cells.cell(dense), 0, 0, value_range=(0, cells.count - 1))
+            self._account(module, t, Outcome.LOSSLESS, record.nbytes).codecs.add("cells")
+            return Compressed(record, decision.layout, cells)
         else:
             record = self._mask_codec.pack(dense, 0, 0)
         self._account(module, t, Outcome.LOSSLESS, record.nbytes).codecs.add(record.codec)

@@ -222,9 +222,9 @@ class MatchedSave:
         comparison does not hold for)."""
         try:
             other = self.match.compute(self.shape, *[unpack(p) for p in partners])
+            if other.dtype != self.tensor.dtype or torch.broadcast_shapes(other.shape, self.shape) != self.shape:
+                return None
         except RuntimeError:  # a view the traced comparison made that this call's sizes cannot take
-            return None
-        if other.dtype != self.tensor.dtype or torch.broadcast_shapes(other.shape, self.shape) != self.shape:
             return None
         self.matched = MaskCodec().pack(torch.eq(self.tensor, other).contiguous(), 0, 0)
         self.partners, self.tensor = partners, None
