@@ -866,6 +866,12 @@ _RESHAPES = frozenset({"view", "_unsafe_view", "reshape"})
 _ELEMENTWISE_COPIES = frozenset({"alias", "clone", "detach", "where"})
 
 
+def _is_cast(node: fx.Node) -> bool:
+    """Whether ``node`` casts element by element to another dtype (a bfloat16 SiLU's backward
+    computes in float32 between two of them), with nothing else changed."""
+    return _name(node.target) == "_to_copy" and set(node.kwargs) <= {"dtype", "memory_format"}
+
+
 def _is_reshape(node: fx.Node, val: torch.Tensor) -> bool:
     """Whether ``node`` reshapes a tensor of value ``val`` keeping the order of its values."""
     out = node.meta.get("val")
@@ -897,7 +903,8 @@ def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk, c
         out = node.meta.get("val")
         return (
             isinstance(node.target, torch._ops.OpOverload)
-            and (torch.Tag.pointwise in node.target.tags or _name(node.target) in _ELEMENTWISE_COPIES)
+            and (torch.Tag.pointwise in node.target.tags or _name(node.target) in _ELEMENTWISE_COPIES
+                 or _is_cast(node))
             and isinstance(out, torch.Tensor)
             and out.shape in shapes
         )

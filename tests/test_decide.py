@@ -831,3 +831,14 @@ def test_cells_between_constants_one_rounding_apart_are_not_made():
     assert ThresholdCells.of((float("inf"),), torch.float32) is None
     cells = ThresholdCells.of((0.0, 1.0), torch.float32)
     assert cells.count == 6 and cells.values[1] == 0.0 and cells.values[3] == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", [F.silu, F.gelu])
+def test_a_half_precision_activation_stores_its_derivative(activation, dtype):
+    """A bfloat16 SiLU's backward casts to float32, computes, and casts back: the casts are
+    element by element, so its input is stored as its derivative, as in float32, and the
+    2-bit gradient is unbiased (it was kept exact, read as a cube through the casts)."""
+    x = (grad_input(64, 64) * 3).to(dtype)
+    (decision,) = saves_of(activation, x)
+    assert decision.kind is Kind.QUANTIZE and decision.substitute is not None and decision.min_bits == 1
