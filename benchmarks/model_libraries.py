@@ -137,6 +137,21 @@ def hf_llama(data: Path, checkpointing: bool = False, lora: bool = False) -> Wor
     return Workload(model, _seeded(lambda: model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss), tokens)
 
 
+def hf_mixtral(data: Path) -> Workload:
+    """A mixture of experts in bfloat16, its experts run through ``torch.nn.functional.grouped_mm``
+    (one matmul per group of routed tokens), as transformers runs them on a GPU."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=128)
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(config).to(torch.bfloat16).train()
+    tokens = shakespeare_bytes(data, batch=8, length=64)
+    return Workload(model, _seeded(lambda: model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss), tokens)
+
+
 def hf_bert(data: Path) -> Workload:
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -322,6 +337,7 @@ CASES: dict[str, Case] = {
     "hf_llama_lora": _case("transformers+peft", hf_llama, lora=True),
     "hf_bert": _case("transformers", hf_bert),
     "hf_t5": _case("transformers", hf_t5),
+    "hf_mixtral_bf16": _case("transformers", hf_mixtral),
     "timm_mobilenetv3_small_100": _case("timm", timm_model, "mobilenetv3_small_100"),
     "timm_efficientnet_b0": _case("timm", timm_model, "efficientnet_b0"),
     "timm_convnext_atto": _case("timm", timm_model, "convnext_atto"),
@@ -369,7 +385,8 @@ def weight_grad(workload: Workload, capture: ActivationCapture | None = None, se
     else:
         with capture.capturing(inputs=workload.inputs, seed=seed):
             loss = workload.loss()
-    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+    # In float32, so that a bfloat16 model's seeds average without rounding again.
+    return torch.cat([g.flatten().float() for g in torch.autograd.grad(loss, params)])
 
 
 def relative_error(g: torch.Tensor, exact: torch.Tensor) -> float:
