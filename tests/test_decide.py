@@ -803,9 +803,13 @@ torch.library.register_autograd("lightning_act_test::scale", _scale_derivative, 
 def test_an_op_outside_aten_is_measured_in_a_forked_process(crash):
     """Measured linear, an unknown op's saves are stored at any bits. Where the measurement
     kills its process, they are kept exact, and this process runs on."""
+    from lightning_act.backward_reads import probe_cost
+
+    measured = probe_cost()["ops"]
     x, s = grad_input(64, 64), grad_input(64, 1)
     decisions = saves_of(torch.ops.lightning_act_test.scale, x, s, crash)
     assert [d.kind for d in decisions] == [Kind.KEEP] * 2 if crash else [Kind.QUANTIZE] * 2
+    assert probe_cost()["ops"] == measured + 1  # once per signature, counted
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
