@@ -12,16 +12,22 @@ the backward of the call that saves it, traced once per call signature
 compiled backward graph). Stochastic rounding keeps the gradient unbiased exactly where
 backward reads the tensor linearly; the analysis says where it does not:
 
-* compared with another value, cast to an integer or rounded, read by an op outside aten
-  (``amax``'s ``x == result``, ``roi_align``'s box indices), divided by or put through a
-  log, a root or a power below 1 (a denominator, ``asin``'s and ``log1p``'s input), or a
-  call whose backward could not be traced: kept exact. Correct before compressed. Rounding
+* compared for equality only, with a value computed from other saves of the call
+  (``scatter_reduce`` amax's ``x == result.gather(index)``, ``amax``'s ``x == result``):
+  the outcome at 1 bit per value, made once those saves exist
+  (:class:`~lightning_act.backward_reads.Match`);
+* compared with another value in any other way, cast to an integer or rounded, read by an
+  op outside aten not measured linear in it (``roi_align``'s box indices, a deformable
+  convolution's offsets), divided by or put through a log, a root or a power below 1 (a
+  denominator, ``asin``'s and ``log1p``'s input), written by the call after it was saved,
+  or a call whose backward could not be traced: kept exact. Correct before compressed. Rounding
   a divisor is amplified without bound near zero and its mean is not the exact quotient
   (E[1/(x+e)] > 1/x), and a rounded value can cross the edge of a domain (NaN): at 8 bits
   such tensors still gave OpInfo gradients off by 0.4 to 13 of their norm. They are small
   in models (a neighbour count, a per-row sum);
-* compared only with constants: exact, or a 1-bit mask where a codec keeps the comparisons
-  (see the hand rules below);
+* compared only with constants: a 1-bit mask where a codec keeps the comparisons (see the
+  hand rules below), else the cell each value falls in between the constants
+  (:class:`ThresholdCells`, 2 to 4 bits, exact for those comparisons);
 * read quadratically (a normalisation's input, a recurrent op's gates, a sigmoid's or
   tanh's output): at least 4 bits. At 2 bits LayerNorm's input biased a BERT's gradient
   (16-seed mean 2.4x closer than one seed, 4x when unbiased) and a GRU's gates likewise; at
@@ -57,6 +63,8 @@ Hand rules remain where a measurement, or something the one call cannot show, sa
   way and recomputes the whole block from it in backward; at 2 bits that input biased a
   checkpointed transformer's gradient by 0.22 of its norm; one saved while the op tracker
   is off (eager code a compiled module runs at a graph break, whose op went unseen): exact;
+* everything a normalisation over rows shorter than 8 values saves: exact (its rows are too
+  short for groups of their own, and a rounded mean no longer cancels ``x - mean``);
 * a reduction statistic (LayerNorm's mean and rstd, attention's logsumexp): kept exact, as
   backward multiplies its noise into everything and it costs little (a cost rule);
 * parameters, tensors alive anyway, masks and indices, dtypes, layouts and overlapping views
@@ -88,7 +96,8 @@ In full, by what the tensor is:
 and policy. A :class:`Decision` is a small immutable value. It depends on the tensor's
 dtype, shape and strides, on whether it is a parameter in disguise or alive anyway, and on
 the call's function, its arguments' signatures and the save's position; so while a forward
-repeats its ops and shapes, the decision of each slot repeats too.
+repeats its ops and shapes, the decision of each slot repeats too, and :func:`decide` finds
+it again (``decided``, keyed by :func:`call_key`) rather than deciding it again.
 """
 
 from __future__ import annotations
