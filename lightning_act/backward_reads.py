@@ -523,7 +523,7 @@ def classify(target: fx.Node, tangents: Iterable[fx.Node] = (), saved: Collectio
 # runs in a forked copy of the process: a crash or a corrupted heap there reads as "cannot
 # be measured", and the training process is untouched.
 _PROBE_NUMEL = 1 << 24  # all arguments together: beyond, unmeasured (exact)
-_PROBE_SECONDS = 120.0  # a measurement still running then is given up (exact)
+_PROBE_SECONDS = 30.0  # a measurement still running then is given up (exact): a child stuck on a lock
 _PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 _probed: dict[Any, frozenset[int] | None] = {}
 _probe_cost = {"ops": 0, "seconds": 0.0}
