@@ -81,6 +81,7 @@ import torch.utils._pytree as pytree
 
 from lightning_act import ops
 from lightning_act.codecs.quant import QuantizedTensor
+from lightning_act.optrack import arguments_key
 
 __all__ = ["ATTENTION_MASK", "Match", "PointwiseDerivative", "Read", "Use", "call_reads", "classify", "graph_reads"]
 
@@ -1082,16 +1083,13 @@ _cache_lock = threading.Lock()
 
 
 def _signature(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return ("T", value.dtype, value.dim(), tuple(s == 1 for s in value.shape), value.requires_grad,
-                value.layout, value.device.type)
-    if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return tuple(_signature(v) for v in value)
-    if isinstance(value, dict):
-        return tuple((k, _signature(v)) for k, v in value.items())
-    return type(value).__qualname__  # a module, a generator: its type alone
+    """The trace's key for arguments: a tensor by its dtype, rank, dimensions of size one,
+    whether it needs a gradient, layout and device type; a module or generator by its type."""
+    return arguments_key(value, _tensor_signature, lambda other: type(other).__qualname__)
+
+
+def _tensor_signature(t: torch.Tensor) -> tuple:
+    return ("T", t.dtype, t.dim(), tuple(s == 1 for s in t.shape), t.requires_grad, t.layout, t.device.type)
 
 
 def _sharing(flat: list, positions: list[int]) -> list[int]:

@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import warnings
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch._C import _len_torch_function_stack
 from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 
-__all__ = ["LOOK_UP", "OpTracker", "TrackedCall", "autocast_state", "call_argument", "is_same_tensor",
+__all__ = ["LOOK_UP", "OpTracker", "TrackedCall", "arguments_key", "autocast_state", "call_argument", "is_same_tensor",
            "saved_index_range"]
 
 #: :attr:`TrackedCall.reads` and ``key`` before the call's first save looks them up.
@@ -102,6 +102,24 @@ def autocast_state() -> tuple:
         for device in _AUTOCAST_DEVICES
         if torch.is_autocast_enabled(device)
     )
+
+
+_PLAIN_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def arguments_key(value: Any, tensor_key: Callable[[torch.Tensor], Any], other_key: Callable[[Any], Any]) -> Any:
+    """A call's arguments as a hashable key: each tensor by ``tensor_key``, numbers, strings,
+    dtypes and devices as they are, lists, tuples and dicts element by element, anything
+    else by ``other_key`` (which may raise)."""
+    if isinstance(value, torch.Tensor):
+        return tensor_key(value)
+    if isinstance(value, _PLAIN_VALUES):
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple([arguments_key(v, tensor_key, other_key) for v in value])
+    if isinstance(value, dict):
+        return tuple([(k, arguments_key(v, tensor_key, other_key)) for k, v in value.items()])
+    return other_key(value)
 
 
 def _function_name(func: Any) -> str:

@@ -113,7 +113,14 @@ from lightning_act.backward_reads import ATTENTION_MASK, Match, PointwiseDerivat
 from lightning_act.capture.records import Layout
 from lightning_act.codecs.exact import INDEX_DTYPES, MaskCodec
 from lightning_act.ops.validation import FLOAT_DTYPES, MIN_GROUP_SIZE
-from lightning_act.optrack import LOOK_UP, TrackedCall, call_argument, is_same_tensor, saved_index_range
+from lightning_act.optrack import (
+    LOOK_UP,
+    TrackedCall,
+    arguments_key,
+    call_argument,
+    is_same_tensor,
+    saved_index_range,
+)
 from lightning_act.policy.allocation import STATS_BITS_PER_GROUP
 
 __all__ = [
@@ -574,23 +581,18 @@ class _Unkeyed(Exception):
     pass
 
 
-_PLAIN_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
-
-
 def _argument_key(value, same: dict[int, int]):
-    if isinstance(value, torch.Tensor):
-        index = same.setdefault(id(value), len(same))
-        if value.layout != torch.strided or value.is_nested:
-            return index, value.dtype, value.layout, value.requires_grad
-        return (index, value.dtype, value.shape, value.stride(), value.requires_grad, value.grad_fn is None,
-                source_parameter(value)[0] is not None, value.device.type)
-    if isinstance(value, _PLAIN_VALUES):
-        return value
-    if isinstance(value, (list, tuple)):
-        return tuple([_argument_key(v, same) for v in value])
-    if isinstance(value, dict):
-        return tuple([(k, _argument_key(v, same)) for k, v in value.items()])
-    raise _Unkeyed
+    def tensor_key(t: torch.Tensor) -> tuple:
+        index = same.setdefault(id(t), len(same))
+        if t.layout != torch.strided or t.is_nested:
+            return index, t.dtype, t.layout, t.requires_grad
+        return (index, t.dtype, t.shape, t.stride(), t.requires_grad, t.grad_fn is None,
+                source_parameter(t)[0] is not None, t.device.type)
+
+    def unknown(other):
+        raise _Unkeyed
+
+    return arguments_key(value, tensor_key, unknown)
 
 
 def _normalizes_short_rows(call: TrackedCall) -> bool:

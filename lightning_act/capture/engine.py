@@ -775,11 +775,12 @@ class ActivationCapture:
         last = max(decision.match.partners)
 
         def settle(final: bool) -> bool:
-            if last >= len(call.saved) and not final:
+            arrived = last < len(call.saved)
+            if not arrived and not final:
                 return False  # a partner is still to be saved
-            partners = [call.saved[p] for p in decision.match.partners] if last < len(call.saved) else None
+            partners = [call.saved[p] for p in decision.match.partners] if arrived else []
             stored = None
-            if partners is not None and all(kind in _EXACT_KINDS for _, kind in partners):
+            if arrived and all(kind in _EXACT_KINDS for _, kind in partners):
                 stored = saved.settle([record for record, _ in partners])
             if stored is None:
                 self._account(module, t, Outcome.KEPT, 0)
@@ -803,12 +804,11 @@ class ActivationCapture:
         elif kind is Kind.CELLS:
             cells = decision.cells
             record = self._index_codec.pack(cells.cell(dense), 0, 0, value_range=(0, cells.count - 1))
-            self._account(module, t, Outcome.LOSSLESS, record.nbytes).codecs.add("cells")
-            return Compressed(record, decision.layout, cells)
         else:
             record = self._mask_codec.pack(dense, 0, 0)
-        self._account(module, t, Outcome.LOSSLESS, record.nbytes).codecs.add(record.codec)
-        return Compressed(record, decision.layout)
+        name = kind.value if kind is Kind.CELLS else record.codec  # the cells' indices, by what they are
+        self._account(module, t, Outcome.LOSSLESS, record.nbytes).codecs.add(name)
+        return Compressed(record, decision.layout, decision.cells)
 
     def _store(self, t: torch.Tensor, dense: torch.Tensor, decision: Decision, module: str, op: str | None) -> Any:
         """A floating-point tensor: its slot, then its codec and bits from the rules and policy."""
