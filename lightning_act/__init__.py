@@ -5,7 +5,7 @@ before backward needs them. Use :class:`ActCompression` as a Lightning callback,
 :func:`compress_activations` around a plain PyTorch forward.
 """
 
-from lightning_act.callback import ActCompression
+from lightning_act.callback import ActCompression, MemoryTargetError
 from lightning_act.capture import ActivationCapture, CompressionReport, ModuleMemory, compress_activations
 from lightning_act.config import CompressionConfig
 
@@ -14,6 +14,7 @@ __all__ = [
     "ActivationCapture",
     "CompressionConfig",
     "CompressionReport",
+    "MemoryTargetError",
     "ModuleMemory",
     "compress_activations",
 ]

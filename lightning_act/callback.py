@@ -21,6 +21,8 @@ from lightning_act.config import CompressionConfig
 from lightning_act.monitor import MIB, StepPeakMemory, log_allocation, log_module_memory, module_mean_bits
 from lightning_act.ops import ensure_kernels
 from lightning_act.policy import AdaptiveBits, FixedBits
+from lightning_act.policy.bits import AllocatedBits
+from lightning_act.policy.memory_target import TargetBits, Verdict, parse_memory_target
 from lightning_act.policy.bits import bits_name
 from lightning_act.policy.estimators import GradientSensitivity
 
@@ -55,11 +57,27 @@ class ActCompression(Callback):
     after ``warmup_steps`` and again every ``recalibrate_every_n_steps``, logged per module,
     and saved in checkpoints.
 
+    With ``memory_target`` set, the bits are chosen the same way within the storage that
+    keeps each step's measured peak at or below the target
+    (:mod:`lightning_act.policy.memory_target`): the first step runs every tensor at its
+    lowest bits, then the plan moves after each step by what the measured peak leaves, and
+    the tensors' sensitivity is measured after the first step and every
+    ``recalibrate_every_n_steps``. Logged every step: ``memory_target_mib`` and
+    ``predicted_peak_mib`` beside ``peak_mib``. A target the first step cannot meet raises
+    :class:`MemoryTargetError`, naming the least reachable peak and what occupies it; a
+    larger batch starts the loop again from the lowest bits, so Lightning's
+    ``BatchSizeFinder`` finds the largest batch that fits the target.
+
     Args:
         bits: bits per stored value for every tensor (fixed policy): 1, 2, 4 or 8.
         budget: average bits per value for the adaptive policy (fractional allowed, 1 to
             8); per-group statistics count, so ``budget=2`` stores what ``bits=2`` stores.
             Mutually exclusive with a non-default ``bits``.
+        memory_target: the peak each training step may reach, parameters, gradients,
+            optimizer state and backward's buffers included: bytes (an int), a size
+            (``"20GiB"``, ``"512MiB"``) or a fraction in (0, 1] of the device's memory.
+            Measured as live tensors (on a GPU, as ``torch.cuda.max_memory_allocated``).
+            Mutually exclusive with ``budget`` and a non-default ``bits``.
         rules: overrides by module and by op, first match wins: a key is a pattern on the
             qualified module name (relative to the LightningModule, e.g. ``"net.layer4.*"``)
             or ``"op:"`` and a pattern on the torch function that saved the tensor
@@ -107,6 +125,7 @@ class ActCompression(Callback):
         self,
         bits: int = 2,
         budget: float | None = None,
+        memory_target: int | float | str | None = None,
         rules: dict[str, int | str] | None = None,
         group_size: int = 256,
         min_numel: int = 2048,
@@ -128,6 +147,11 @@ class ActCompression(Callback):
         )
         if budget is not None and bits != 2:
             raise ValueError(f"bits={bits!r} and budget={budget!r}: set bits for a fixed policy or budget for an adaptive one")
+        if memory_target is not None and (budget is not None or bits != 2):
+            raise ValueError(
+                f"memory_target={memory_target!r} with bits={bits!r}, budget={budget!r}: a memory target chooses the "
+                "bits itself; set one of bits, budget or memory_target"
+            )
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator={estimator!r} is not supported; allowed: {', '.join(ESTIMATORS)}")
         if rules is not None and (not isinstance(rules, Mapping) or not all(isinstance(key, str) for key in rules)):
@@ -143,7 +167,12 @@ class ActCompression(Callback):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{knob}={value!r} must be an int >= {least}")
-        self.policy = FixedBits(bits, rules) if budget is None else AdaptiveBits(budget, rules=rules)
+        if memory_target is not None:
+            parse_memory_target(memory_target)  # checked now; a fraction is resolved at setup
+            self.policy = TargetBits(memory_target, rules=rules)
+        else:
+            self.policy = FixedBits(bits, rules) if budget is None else AdaptiveBits(budget, rules=rules)
+        self.memory_target = memory_target
         self.estimator = estimator
         self.recalibrate_every_n_steps = recalibrate_every_n_steps
         self.warmup_steps = warmup_steps
@@ -153,7 +182,9 @@ class ActCompression(Callback):
         self.last_report = CompressionReport()
         self.sensitivity: dict[str, dict[int, float]] = {}
         self.recalibration_ms = 0.0
-        self._next_calibration = warmup_steps
+        # A memory target measures its tensors' sensitivity after the first step, which
+        # runs them all at their lowest bits.
+        self._next_calibration = 1 if memory_target is not None else warmup_steps
         self._calibration_end: int | None = None
         self._gradient_estimate: GradientSensitivity | None = None
         self._history: list[dict[str, float]] = []
@@ -171,10 +202,17 @@ class ActCompression(Callback):
         # stored bytes are then the batch's and those bits' own.
         self._pending_allocation: tuple[int, dict[str, dict[int, float]], dict[str, float]] | None = None
         self._restored_group_axes: dict[str, int | None] = {}
+        # The batch's bytes the memory target's plan was measured at (None: not yet).
+        self._planned_batch_bytes: int | None = None
+        self._told_all_exact = False
 
     @property
     def adaptive(self) -> bool:
-        return isinstance(self.policy, AdaptiveBits)
+        return isinstance(self.policy, AllocatedBits)
+
+    @property
+    def targeted(self) -> bool:
+        return isinstance(self.policy, TargetBits)
 
     @property
     def recalibrations(self) -> int:
@@ -190,8 +228,16 @@ class ActCompression(Callback):
             check_compiled_codecs(self.config, self.policy.rules)
         self.capture = ActivationCapture(self.config, pl_module, self.policy)
         self.capture.group_orders.restore(self._restored_group_axes)
-        self._step_peak = StepPeakMemory(trainer.strategy.root_device)
+        self._step_peak = StepPeakMemory(trainer.strategy.root_device, pl_module)
         ensure_kernels(trainer.strategy.root_device)
+        if self.targeted:
+            self.policy.target_bytes = parse_memory_target(self.memory_target, trainer.strategy.root_device)
+            if not self._step_peak.exact:
+                rank_zero_warn(
+                    f"lightning_act: memory_target={self.memory_target!r} is met against {self._step_peak.source or 'no'} "
+                    "figure on this device, not live tensors: the CPU kernels are not loaded (see "
+                    "lightning_act.ops.loaded_kernels())"
+                )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -214,6 +260,8 @@ class ActCompression(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         if self.capture is None:
             return
+        if self.targeted:
+            self._follow_batch_size(trainer, batch)
         if self.adaptive and self._calibration_end is None and trainer.global_step >= self._next_calibration:
             if self.estimator in _PROBE_METHODS:
                 self._recalibrate_by_probes(trainer, pl_module, batch, batch_idx)
@@ -255,6 +303,11 @@ class ActCompression(Callback):
         if self.last_peak_bytes is not None:
             self.max_peak_bytes = max(self.max_peak_bytes or 0, self.last_peak_bytes)
             figures[f"{LOG_PREFIX}/peak_mib"] = self.last_peak_bytes / MIB
+        resident = self._step_peak.resident_peak_bytes()
+        if resident is not None and self._step_peak.exact:
+            figures[f"{LOG_PREFIX}/resident_peak_mib"] = resident / MIB
+        if self.targeted:
+            figures.update(self._follow_target(trainer, pl_module, batch, report))
         pl_module.log_dict(figures, on_step=True, on_epoch=False, batch_size=1)
         if self._pending_allocation is not None:
             self._log_allocation(trainer, report)
@@ -309,6 +362,8 @@ class ActCompression(Callback):
                     "the peak is reached in the forward pass (a large transient there, such as a graph layer's "
                     "gathered messages), before backward reads anything saved: compression cannot lower it"
                 )
+        if self.targeted:
+            lines.extend(self._target_summary())
         if len(report.modules) > SUMMARY_ROWS and log_dir is not None:
             table = Path(log_dir) / "activation_memory.txt"
             table.parent.mkdir(parents=True, exist_ok=True)
@@ -400,6 +455,95 @@ class ActCompression(Callback):
                 "compression. Check the model for overflow (e.g. fp16 without loss scaling)."
             )
 
+    # ----------------------------------------------------------------- memory target
+    def _follow_batch_size(self, trainer: pl.Trainer, batch: Any) -> None:
+        """Measure from the lowest bits again when the batch grows past what the plan was
+        measured at (or shrinks to under half of it): a batch-size search, a new stage."""
+        size = _batch_bytes(batch)
+        planned = self._planned_batch_bytes
+        if planned is not None and 0.5 * planned <= size <= 1.25 * planned:
+            return
+        if planned is not None:
+            rank_zero_info(
+                f"lightning_act: the batch went from {planned / MIB:.2f} to {size / MIB:.2f} MiB at step "
+                f"{trainer.global_step}: the memory target's plan starts again from the lowest bits"
+            )
+        self.policy.restart()
+        self._planned_batch_bytes = size
+
+    def _follow_target(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                       report: CompressionReport) -> dict[str, float]:
+        """Compare the step's peak with the target and move the plan where it should."""
+        peak = self.last_peak_bytes
+        if peak is None:
+            return {}
+        if trainer.world_size > 1:  # every rank must fit: the highest peak decides
+            peak = int(trainer.strategy.reduce(torch.tensor(float(peak), device=pl_module.device), reduce_op="max"))
+        figures = {f"{LOG_PREFIX}/memory_target_mib": self.policy.target_bytes / MIB}
+        if self.policy.predicted_peak is not None:
+            figures[f"{LOG_PREFIX}/predicted_peak_mib"] = self.policy.predicted_peak / MIB
+        verdict = self.policy.observe(peak, self.capture.slots)
+        if verdict is Verdict.UNREACHABLE:
+            raise MemoryTargetError(self._unreachable(trainer, pl_module, batch, report, peak))
+        if verdict is Verdict.MOVE:
+            planned = dict(self.policy.assignment)
+            assignment = self.policy.update(self.sensitivity, self.capture.slots) if trainer.is_global_zero else None
+            self.policy.assignment = dict(trainer.strategy.broadcast(assignment, src=0))
+        if verdict is Verdict.MOVE and self.policy.assignment != planned:
+            widths = Counter(bits_name(bits) for bits in self.policy.assignment.values())
+            rank_zero_info(
+                f"lightning_act: step {trainer.global_step} peaked at {peak / MIB:.1f} MiB against memory_target "
+                f"{self.policy.target_bytes / MIB:.1f} MiB; the plan moves to "
+                f"{', '.join(f'{n} at {w}' for w, n in sorted(widths.items()))} (predicted peak "
+                f"{(self.policy.predicted_peak or peak) / MIB:.1f} MiB)"
+            )
+        if self.policy.all_exact_fits and not self._told_all_exact:
+            self._told_all_exact = True
+            rank_zero_info(
+                f"lightning_act: memory_target {self.policy.target_bytes / MIB:.1f} MiB is above this step's peak with "
+                f"every saved tensor kept exact ({peak / MIB:.1f} MiB): nothing is compressed"
+            )
+        return figures
+
+    def _unreachable(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                     report: CompressionReport, peak: int) -> str:
+        parameters = _tensor_bytes(pl_module.parameters())
+        gradients = _tensor_bytes(p.grad for p in pl_module.parameters() if p.grad is not None)
+        optimizer_state = _tensor_bytes(
+            value for optimizer in trainer.optimizers for state in optimizer.state.values() for value in state.values()
+        )
+        held = {
+            "parameters": parameters,
+            "gradients": gradients,
+            "optimizer state": optimizer_state,
+            "the batch": _batch_bytes(batch),
+            "the forward's saved tensors at their lowest bits": report.stored_bytes,
+        }
+        held["backward's buffers, the optimizer's temporaries and the rest"] = max(peak - sum(held.values()), 0)
+        # Lightning's batch-size finder backs off on errors that read as running out of memory.
+        oom = "CUDA out of memory" if pl_module.device.type == "cuda" else "DefaultCPUAllocator: can't allocate memory"
+        return (
+            f"lightning_act: memory_target={self.memory_target!r} ({self.policy.target_bytes / MIB:.1f} MiB) cannot be "
+            f"met at this batch: with every saved tensor at its lowest bits, step {trainer.global_step} peaked at "
+            f"{peak / MIB:.1f} MiB ({self._step_peak.source}), the least reachable peak. It holds "
+            + ", ".join(f"{name} {size / MIB:.1f} MiB" for name, size in held.items())
+            + f". Raise the target to at least {peak / MIB:.1f} MiB or lower the batch size. Raised as running out "
+            f"of memory ({oom}) so that Lightning's batch-size finder backs off."
+        )
+
+    def _target_summary(self) -> list[str]:
+        policy = self.policy
+        if policy.all_exact_fits:
+            return [f"memory target {policy.target_bytes / MIB:.2f} MiB: above the peak with every saved tensor exact; "
+                    "nothing compressed"]
+        widths = Counter(bits_name(bits) for bits in policy.assignment.values())
+        chosen = ", ".join(f"{n} at {w}" for w, n in sorted(widths.items())) or "every tensor at its lowest bits"
+        measured = "not measured" if policy.measured_peak is None else f"{policy.measured_peak / MIB:.2f} MiB"
+        return [
+            f"memory target {policy.target_bytes / MIB:.2f} MiB: last step's peak {measured}; the plan: {chosen}, "
+            "each tensor's bits chosen by its measured sensitivity within what the target leaves"
+        ]
+
     # ----------------------------------------------------------------- checkpointing
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -419,6 +563,36 @@ class ActCompression(Callback):
         self._restored_group_axes = dict(state_dict.get("group_axes", {}))
         if self.capture is not None:
             self.capture.group_orders.restore(self._restored_group_axes)
+
+
+class MemoryTargetError(RuntimeError):
+    """A memory target below the least reachable peak of a step."""
+
+
+def _tensor_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                if isinstance(t, torch.Tensor)}.values())
+
+
+def _batch_bytes(batch: Any) -> int:
+    """Bytes of the tensors in a batch (nested containers and graph batches' ``to_dict``)."""
+    found: list[torch.Tensor] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+        elif callable(getattr(value, "to_dict", None)):
+            walk(value.to_dict())
+
+    walk(batch)
+    return _tensor_bytes(found)
 
 
 def _leading_rows(batch: Any, rows: int) -> Any:

@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
 
 from lightning_act.capture import CompressionReport
+from lightning_act.ops import ensure_kernels, loaded_kernels
 from lightning_act.policy import SlotInfo
 from lightning_act.policy.bits import bits_name
 
@@ -30,48 +31,69 @@ class StepPeakMemory:
     * CUDA: ``torch.cuda.max_memory_allocated`` since :meth:`start`, which resets the
       device's peak statistics (so a ``max_memory_allocated`` read elsewhere also covers
       the current step only): every live tensor counted, the allocator's cache not.
-    * CPU on Linux: the process's resident-memory high-water mark (``VmHWM``) since
-      :meth:`start`, which resets it through ``/proc/self/clear_refs``: everything the
-      process holds, memory the C allocator keeps for reuse included, so it reads higher
-      than the live tensors alone, and by how much depends on the order of allocations
-      (glibc's self-adjusting mmap threshold; ``docs/reference.md``, "A CPU's resident
-      peak"). Two reads of ``/proc`` per step.
-    * Elsewhere (other devices, no writable ``/proc``): no figure, ``peak_bytes()`` is None.
+    * CPU: the same live-tensor figure, from a counter around the CPU allocator (installed
+      with the CPU kernels, ``csrc/live_memory.cpp``): what tensors allocated since it was
+      installed hold, plus the model's parameters and buffers allocated before. Without the
+      kernels, on Linux, the process's resident high-water mark (``VmHWM``) instead, which
+      also counts what the C allocator keeps for reuse, so it reads higher than the live
+      tensors, by an amount that depends on the order of allocations (``docs/reference.md``,
+      "A CPU's resident peak").
+    * Elsewhere: no figure, ``peak_bytes()`` is None.
 
     The figure is absolute (model, optimizer state and batch included), as the memory a
-    device must hold for the step to fit.
+    device must hold for the step to fit. On a Linux CPU the resident high-water mark is
+    read as well (:meth:`resident_peak_bytes`).
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, model: torch.nn.Module | None = None):
         self.device = device
+        self._untracked = 0
+        self._resident = device.type == "cpu" and _resident_high_water_mark() is not None and _reset_high_water_mark()
         if device.type == "cuda":
-            self.source = "torch.cuda.max_memory_allocated"
-        elif device.type == "cpu" and _resident_high_water_mark() is not None and _reset_high_water_mark():
+            self.source = "live tensors, torch.cuda.max_memory_allocated"
+        elif device.type == "cpu" and _install_live_counter():
+            self.source = "live tensors, lightning_act's CPU allocator counter"
+            counts = torch.ops.lightning_act.live_memory_counts
+            held = {} if model is None else {
+                t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu" and not counts(t)
+            }
+            self._untracked = sum(held.values())
+        elif self._resident:
             self.source = "resident high-water mark (VmHWM)"
         else:
             self.source = None
 
     @property
     def exact(self) -> bool:
-        """Whether the figure counts live tensors only (the CUDA allocator's counters)."""
-        return self.device.type == "cuda"
+        """Whether the figure counts live tensors only."""
+        return self.source is not None and self.source.startswith("live tensors")
 
     def start(self) -> None:
         """Begin a step: the peak from now on."""
-        if self.source is None:
-            return
-        if self.exact:
+        if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        else:
+        elif self.exact:
+            torch.ops.lightning_act.live_memory_reset_peak()
+        if self._resident:
             _reset_high_water_mark()
 
     def peak_bytes(self) -> int | None:
         """The highest memory since :meth:`start` (None where it cannot be measured)."""
-        if self.source is None:
-            return None
-        if self.exact:
+        if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
-        return _resident_high_water_mark()
+        if self.exact:
+            return torch.ops.lightning_act.live_memory_read()[1] + self._untracked
+        return self.resident_peak_bytes()
+
+    def resident_peak_bytes(self) -> int | None:
+        """On a Linux CPU, the process's resident high-water mark since :meth:`start`."""
+        return _resident_high_water_mark() if self._resident else None
+
+
+def _install_live_counter() -> bool:
+    ensure_kernels("cpu")
+    return loaded_kernels()["cpu"] and torch.ops.lightning_act.live_memory_install()
 
 
 def _resident_high_water_mark() -> int | None:

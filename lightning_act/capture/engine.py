@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import importlib.metadata
 import math
@@ -497,6 +498,10 @@ class ActivationCapture:
                 for name, b in self.model.named_buffers():
                     b.copy_(buffers[name])
             self.model.train(was_training)
+            # The probes' graphs are held by reference cycles (hooks that close over their own
+            # nodes): left to the collector, the step after would carry them (ResNet-18: twice
+            # its activations).
+            gc.collect()
 
     def calibrate(
         self,

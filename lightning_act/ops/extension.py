@@ -68,7 +68,10 @@ _HEADERS = (
     "division.h",
     "division_kernels.cuh",
 )
-_SOURCES = {"cpu": ("quant_cpu.cpp", "division_cpu.cpp", "graph_saves.cpp"), "cuda": ("quant_cuda.cu", "division_cuda.cu")}
+_SOURCES = {
+    "cpu": ("quant_cpu.cpp", "division_cpu.cpp", "graph_saves.cpp", "live_memory.cpp"),
+    "cuda": ("quant_cuda.cu", "division_cuda.cu"),
+}
 
 
 def _find_source_dir() -> Path:

@@ -38,7 +38,7 @@ def allocate_bits(
     candidates: Sequence[int | None],
     floors: Mapping[str, int] | None = None,
 ) -> dict[str, int | None]:
-    """Bits per tensor that minimise the summed gradient variance within the budget.
+    """Bits per tensor that minimise the summed gradient variance at an average of bits.
 
     Args:
         variance: per tensor key, the estimated gradient variance it adds at each bit
@@ -54,13 +54,29 @@ def allocate_bits(
     Returns:
         The chosen bits (or ``None``) per key of ``sizes``.
     """
+    return allocate_storage(variance, sizes, uniform_storage(sizes, budget_bits, floors or {}), candidates, floors)
+
+
+def uniform_storage(sizes: Mapping[str, tuple[int, int, int]], bits: float, floors: Mapping[str, int]) -> float:
+    """Bits the tensors of ``sizes`` occupy at ``bits`` per value (or their floor where higher),
+    statistics included: what uniform quantization at ``bits`` stores."""
+    return sum(n * max(bits, floors.get(k, 1)) + g * STATS_BITS_PER_GROUP for k, (n, g, _) in sizes.items())
+
+
+def allocate_storage(
+    variance: Mapping[str, Mapping[int, float]],
+    sizes: Mapping[str, tuple[int, int, int]],
+    allowed: float,
+    candidates: Sequence[int | None],
+    floors: Mapping[str, int] | None = None,
+) -> dict[str, int | None]:
+    """Bits per tensor that minimise the summed gradient variance within ``allowed`` bits of
+    storage in all (the arguments as :func:`allocate_bits`'s). Where even every tensor's
+    cheapest choice is over, each gets its cheapest."""
     keys = list(sizes)
     if not keys:
         return {}
     floors = floors or {}
-    allowed = sum(
-        n * max(budget_bits, floors.get(k, 1)) + g * STATS_BITS_PER_GROUP for k, (n, g, _) in sizes.items()
-    )
     options = {}
     for k in keys:
         floor = floors.get(k, 1)
@@ -72,9 +88,8 @@ def allocate_bits(
             ),
             key=lambda option: option[0],
         )
-
-    if sum(options[k][0][0] for k in keys) > allowed:
-        return {k: options[k][0][2] for k in keys}  # even the cheapest choice is over budget
+    if sum(options[k][0][0] for k in keys) >= allowed:
+        return {k: options[k][0][2] for k in keys}
     # A multiple-choice knapsack, solved by dynamic programming over the budget cut into
     # _BUDGET_UNITS units. Greedy and price-only (Lagrangian) solutions fail on it: identical
     # tensors flip all at once, and a cheap upgrade can use up the slack a valuable one

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from lightning_act.config import CODECS
 from lightning_act.ops.validation import SUPPORTED_BITS
-from lightning_act.policy.allocation import EXACT, allocate_bits
+from lightning_act.policy.allocation import EXACT, allocate_storage, uniform_storage
 
 EXACT_NAME = "exact"
 _UNMATCHED = object()
@@ -195,8 +195,60 @@ class FixedBits(BitPolicy):
         return self.bits
 
 
-class AdaptiveBits(BitPolicy):
-    """Per-tensor bits that minimise the estimated gradient variance within a byte budget.
+class AllocatedBits(BitPolicy):
+    """Per-tensor bits (1, 2, 4, 8 or exact) that minimise the estimated gradient variance
+    within an allowance of storage; subclasses say how large the allowance is.
+
+    Args:
+        candidates: the choices, from 1, 2, 4, 8 and "exact".
+        rules: per-module and per-op overrides (:class:`SaveRules`); pinned bits are outside
+            the allowance.
+        default_bits: the bits of a slot before the first allocation includes it.
+
+    Raises:
+        ValueError: a candidate is not allowed.
+    """
+
+    def __init__(
+        self, candidates: Sequence[int | str], rules: Mapping[str, int | str] | None, default_bits: int
+    ):
+        super().__init__(rules)
+        self.candidates = [parse_bits(c, "candidates") for c in candidates]
+        self.default_bits = default_bits
+        self.assignment: dict[str, int | None] = {}
+
+    def choose(self, slot: str) -> int | None:
+        return self.assignment.get(slot, self.default_bits)
+
+    def update(
+        self, variance: Mapping[str, Mapping[int, float]], slots: Mapping[str, SlotInfo]
+    ) -> dict[str, int | None]:
+        """Re-solve the allocation for the slots that have an estimate and no rule pinning bits.
+
+        Args:
+            variance: per slot, the gradient variance it adds at each bit width (from an
+                estimator in :mod:`lightning_act.policy.estimators`).
+            slots: every slot to allocate, with its size.
+        """
+        free = {k: s for k, s in slots.items() if k in variance and not self.pins_bits(s)}
+        sizes = {k: (s.numel, s.groups, s.element_bits) for k, s in free.items()}
+        floors = {k: s.min_bits for k, s in free.items()}
+        self.assignment = allocate_storage(variance, sizes, self.allowance(sizes, floors), self.candidates, floors)
+        return self.assignment
+
+    @abstractmethod
+    def allowance(self, sizes: Mapping[str, tuple[int, int, int]], floors: Mapping[str, int]) -> float:
+        """Bits of storage the slots of ``sizes`` may occupy in all."""
+
+    def state_dict(self) -> dict:
+        return {"slots": list(self.assignment), "bits": [bits_name(b) for b in self.assignment.values()]}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.assignment = {s: parse_bits(int(b) if b.isdigit() else b, "bits") for s, b in zip(state["slots"], state["bits"])}
+
+
+class AdaptiveBits(AllocatedBits):
+    """Per-tensor bits that minimise the estimated gradient variance at an average of bits.
 
     Args:
         budget: average bits per value over the tensors it allocates (fractional allowed);
@@ -216,39 +268,14 @@ class AdaptiveBits(BitPolicy):
         candidates: Sequence[int | str] = (1, 2, 4, 8, EXACT_NAME),
         rules: Mapping[str, int | str] | None = None,
     ):
-        super().__init__(rules)
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 1.0 <= budget <= 8.0:
             raise ValueError(f"budget={budget!r} must be a number of bits in [1, 8]")
-        self.budget = float(budget)
-        self.candidates = [parse_bits(c, "candidates") for c in candidates]
-        widths = [b for b in self.candidates if b is not EXACT]
-        if not widths or min(widths) > self.budget:
+        widths = [b for b in (parse_bits(c, "candidates") for c in candidates) if b is not EXACT]
+        if not widths or min(widths) > budget:
             raise ValueError(f"candidates={list(candidates)!r} need a bit width <= budget={budget!r}")
         # Before the first calibration (and for slots it has not seen): the widest that fits.
-        self.default_bits = max(b for b in widths if b <= self.budget)
-        self.assignment: dict[str, int | None] = {}
+        super().__init__(candidates, rules, default_bits=max(b for b in widths if b <= budget))
+        self.budget = float(budget)
 
-    def choose(self, slot: str) -> int | None:
-        return self.assignment.get(slot, self.default_bits)
-
-    def update(
-        self, variance: Mapping[str, Mapping[int, float]], slots: Mapping[str, SlotInfo]
-    ) -> dict[str, int | None]:
-        """Re-solve the allocation for the slots that have an estimate and no rule pinning bits.
-
-        Args:
-            variance: per slot, the gradient variance it adds at each bit width (from an
-                estimator in :mod:`lightning_act.policy.estimators`).
-            slots: every slot to allocate, with its size.
-        """
-        free = {k: s for k, s in slots.items() if k in variance and not self.pins_bits(s)}
-        sizes = {k: (s.numel, s.groups, s.element_bits) for k, s in free.items()}
-        floors = {k: s.min_bits for k, s in free.items()}
-        self.assignment = allocate_bits(variance, sizes, self.budget, self.candidates, floors)
-        return self.assignment
-
-    def state_dict(self) -> dict:
-        return {"slots": list(self.assignment), "bits": [bits_name(b) for b in self.assignment.values()]}
-
-    def load_state_dict(self, state: Mapping) -> None:
-        self.assignment = {s: parse_bits(int(b) if b.isdigit() else b, "bits") for s, b in zip(state["slots"], state["bits"])}
+    def allowance(self, sizes: Mapping[str, tuple[int, int, int]], floors: Mapping[str, int]) -> float:
+        return uniform_storage(sizes, self.budget, floors)

@@ -1,0 +1,114 @@
+// Live CPU tensor memory: the bytes held by tensors now and at most since a reset, as
+// torch.cuda.memory_allocated and max_memory_allocated count them on a GPU. A CPU step's
+// resident high-water mark also counts what the C allocator keeps for reuse, so it cannot
+// tell whether a plan fits a target; this counter can.
+//
+// Installing it wraps the process's CPU allocator. Each block gets a 64-byte header in
+// front of it holding its size, so a block is freed without a table or a lock, and the
+// pointer handed out is its own context, as the default allocator's are ("simple" data
+// pointers, which copy-on-write clones and raw_deallocate rely on). Blocks allocated before
+// installation are freed by their own deleter and never counted.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+
+#include <atomic>
+#include <cstdint>
+
+namespace lightning_act {
+namespace {
+
+// A multiple of every alignment the default CPU allocator gives (64 bytes).
+constexpr size_t kHeader = 64;
+
+struct Header {
+  size_t size;
+  c10::DeleterFnPtr free_inner;
+};
+
+std::atomic<int64_t> live_bytes{0};
+std::atomic<int64_t> peak_bytes{0};
+
+void raise_peak(int64_t now) {
+  int64_t seen = peak_bytes.load(std::memory_order_relaxed);
+  while (now > seen && !peak_bytes.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+  }
+}
+
+void counted_delete(void* data) {
+  if (data == nullptr) return;
+  auto* base = static_cast<char*>(data) - kHeader;
+  const Header header = *reinterpret_cast<Header*>(base);
+  live_bytes.fetch_sub(static_cast<int64_t>(header.size), std::memory_order_relaxed);
+  header.free_inner(base);
+}
+
+class CountingAllocator final : public c10::Allocator {
+ public:
+  explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
+
+  c10::DataPtr allocate(size_t nbytes) override {
+    if (nbytes == 0) return {nullptr, nullptr, &counted_delete, c10::Device(c10::DeviceType::CPU)};
+    c10::DataPtr block = inner_->allocate(nbytes + kHeader);
+    c10::DeleterFnPtr free_inner = block.get_deleter();
+    // Checked at installation: the inner allocator's blocks are their own context.
+    void* base = block.release_context();
+    *static_cast<Header*>(base) = Header{nbytes, free_inner};
+    void* data = static_cast<char*>(base) + kHeader;
+    raise_peak(live_bytes.fetch_add(static_cast<int64_t>(nbytes), std::memory_order_relaxed) +
+               static_cast<int64_t>(nbytes));
+    return {data, data, &counted_delete, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &counted_delete; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+
+ private:
+  c10::Allocator* inner_;
+};
+
+// Whether the counter serves the CPU allocations now; installs it on the first call. The
+// inner allocator must hand out simple pointers (context == data) freed by a plain
+// function, as the default one does: another allocator installed by someone else is
+// left alone and nothing is counted.
+bool live_memory_install() {
+  static CountingAllocator* installed = nullptr;
+  static bool refused = false;
+  if (installed != nullptr) return c10::GetCPUAllocator() == installed;
+  if (refused) return false;
+  c10::Allocator* inner = c10::GetCPUAllocator();
+  c10::DataPtr probe = inner->allocate(kHeader);
+  if (probe.get() == nullptr || probe.get_context() != probe.get() || probe.get_deleter() == nullptr) {
+    refused = true;
+    return false;
+  }
+  probe.clear();
+  installed = new CountingAllocator(inner);  // lives as long as the process: blocks point to it
+  c10::SetCPUAllocator(installed, /*priority=*/1);
+  return c10::GetCPUAllocator() == installed;
+}
+
+std::tuple<int64_t, int64_t> live_memory_read() {
+  return {live_bytes.load(std::memory_order_relaxed), peak_bytes.load(std::memory_order_relaxed)};
+}
+
+void live_memory_reset_peak() { peak_bytes.store(live_bytes.load(std::memory_order_relaxed), std::memory_order_relaxed); }
+
+// Whether a tensor's storage was allocated through the counter (and so is in its figures).
+bool live_memory_counts(const at::Tensor& t) {
+  return t.has_storage() && t.storage().data_ptr().get_deleter() == &counted_delete;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lightning_act, m) {
+  m.def("live_memory_install() -> bool", &live_memory_install);
+  m.def("live_memory_read() -> (int live, int peak)", &live_memory_read);
+  m.def("live_memory_reset_peak() -> ()", &live_memory_reset_peak);
+  m.def("live_memory_counts(Tensor t) -> bool", &live_memory_counts);
+}
+
+}  // namespace lightning_act

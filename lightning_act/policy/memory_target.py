@@ -1,0 +1,214 @@
+"""A peak-memory target: every step's measured peak held at or below a number of bytes.
+
+Users know what their device holds, not how many bits each saved tensor needs. Given a
+target, :class:`TargetBits` chooses each compressible saved tensor's bits (its floor, 1, 2,
+4, 8 or exact) with the allocation knapsack (:func:`~lightning_act.policy.allocation.allocate_storage`),
+within the storage the target leaves, closed loop on the peak each step measures:
+
+1. The first two steps (and the first two after a restart) run every tensor at its floor:
+   the least reachable peak. If that is over the target, the target cannot be met at this
+   batch (:attr:`Verdict.UNREACHABLE`). The first step allocates what later steps keep
+   (the optimizer's state, gradients held through the next forward), so its peak
+   understates theirs: the plan moves from the second step's peak on.
+2. After a step under the target, the tensors may use ``aim - measured`` more bytes than that
+   step's plan used. A stored byte more raises the peak by at most one byte: the records are
+   at most all alive at once at the peak, and a tensor stored with more bits needs no larger
+   buffer to decode. So a move up from a plan that fitted fits too, and each move closes a
+   share of the gap, the share of the records alive at the peak.
+3. A step over the target (a longer sequence, a larger batch) moves the plan down by the
+   excess; if the records alive at the peak are only part of them, a few steps are needed.
+
+Only bits move the peak here. Recomputation and offload of records are not options of this
+plan yet; blocks the user checkpoints are measured like anything else.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from lightning_act.policy.allocation import EXACT, quantization_variance, storage_bits
+from lightning_act.policy.bits import EXACT_NAME, AllocatedBits, SlotInfo, parse_bits
+
+#: Where a move up aims, as a share of the target: room for what varies between steps.
+AIM = 0.98
+#: Below this share of the target a step's plan moves up (where it can).
+LOW_WATER = 0.93
+
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_AMOUNT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]+)\s*$")
+_FORMS = "bytes (an int), a size such as '20GiB', '512MiB' or '1.5GB', or a fraction in (0, 1] of the device's memory"
+
+
+def parse_memory_target(value: int | float | str, device: torch.device | None = None) -> int:
+    """A memory target in bytes.
+
+    Args:
+        value: bytes (an int > 1), a size with a unit (``"20GiB"``, ``"512 MiB"``,
+            ``"1.5GB"``; B, KB, MB, GB, TB and KiB to TiB, any case), or a fraction in (0, 1]
+            of the device's memory (a GPU's total memory; on the CPU, the machine's RAM).
+        device: resolves a fraction; None only checks it.
+
+    Raises:
+        ValueError: the value is none of these; the message names it and what is allowed.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"memory_target={value!r} is not supported; allowed: {_FORMS}")
+    if isinstance(value, int):
+        if value <= 1:
+            raise ValueError(f"memory_target={value!r} is not supported; allowed: {_FORMS}")
+        return value
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"memory_target={value!r} is not supported; allowed: {_FORMS}")
+        return int(value * device_memory(device)) if device is not None else 0
+    if isinstance(value, str):
+        found = _AMOUNT.match(value)
+        unit = found and _UNITS.get(found.group(2).lower())
+        if found and unit and float(found.group(1)) * unit >= 2:
+            return int(float(found.group(1)) * unit)
+    raise ValueError(f"memory_target={value!r} is not supported; allowed: {_FORMS}")
+
+
+def device_memory(device: torch.device) -> int:
+    """The memory of ``device`` in bytes: a GPU's total, or the machine's RAM for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    raise ValueError(f"memory_target as a fraction needs the memory of device {device}; give bytes such as '20GiB'")
+
+
+class Verdict(enum.Enum):
+    """What one measured step says about the plan."""
+
+    #: Within the band: the plan stays.
+    FITS = "fits"
+    #: Below the band with room to move up, or over the target: :meth:`TargetBits.update`.
+    MOVE = "move"
+    #: Over the target with every tensor at its floor.
+    UNREACHABLE = "unreachable"
+
+
+class TargetBits(AllocatedBits):
+    """Per-tensor bits chosen so that each step's measured peak stays at or below a target
+    (see the module for the loop).
+
+    Args:
+        target_bytes: the peak each step must stay at or below, in bytes.
+        candidates: the choices, from 1, 2, 4, 8 and "exact".
+        rules: per-module and per-op overrides (:class:`~lightning_act.policy.SaveRules`);
+            their bits are outside the plan, their bytes in what it measures.
+
+    Raises:
+        ValueError: the target is not a positive number of bytes, or a candidate is not allowed.
+    """
+
+    def __init__(
+        self,
+        target_bytes: int,
+        candidates: Sequence[int | str] = (1, 2, 4, 8, EXACT_NAME),
+        rules: Mapping[str, int | str] | None = None,
+    ):
+        widths = [b for b in (parse_bits(c, "candidates") for c in candidates) if b is not EXACT]
+        if not widths:
+            raise ValueError(f"candidates={list(candidates)!r} need a bit width")
+        super().__init__(candidates, rules, default_bits=min(widths))
+        self.target_bytes = parse_memory_target(target_bytes)
+        #: The last measured step's peak, and the storage (bits) its plan gave the free slots.
+        self.measured_peak: int | None = None
+        self._measured_storage: dict[str, float] = {}
+        #: The peak the current plan is expected to stay under (None before a measurement).
+        self.predicted_peak: int | None = None
+        self._measured_steps = 0
+        # The last update left the plan as it was: the next step is not a reason to move again.
+        self._stalled = False
+
+    def restart(self) -> None:
+        """Back to every tensor at its floor, measured afresh (another batch size)."""
+        self.assignment = {}
+        self.measured_peak = self.predicted_peak = None
+        self._measured_storage = {}
+        self._measured_steps = 0
+        # The last update left the plan as it was: the next step is not a reason to move again.
+        self._stalled = False
+
+    def observe(self, peak_bytes: int, slots: Mapping[str, SlotInfo]) -> Verdict:
+        """Take the measured peak of a step run under the current plan."""
+        self.measured_peak = peak_bytes
+        self._measured_steps += 1
+        free = self._free(slots)
+        self._measured_storage = {k: storage_bits(self._bits(k, s), s.numel, s.groups, s.element_bits)
+                                  for k, s in free.items()}
+        floor = sum(storage_bits(s.min_bits, s.numel, s.groups, s.element_bits) for s in free.values())
+        exact = sum(s.numel * s.element_bits for s in free.values())
+        storage = sum(self._measured_storage.values())
+        if peak_bytes > self.target_bytes:
+            return Verdict.UNREACHABLE if storage <= floor else Verdict.MOVE
+        if self._measured_steps < 2 or self._stalled:
+            return Verdict.FITS
+        if peak_bytes < LOW_WATER * self.target_bytes and storage < exact:
+            return Verdict.MOVE
+        return Verdict.FITS
+
+    @property
+    def all_exact_fits(self) -> bool:
+        """Whether the last measured step kept every free tensor exact and stayed under the
+        target: the target is above the uncompressed peak."""
+        return (self.measured_peak is not None and self.measured_peak <= self.target_bytes and bool(self.assignment)
+                and all(bits is EXACT for bits in self.assignment.values()))
+
+    def update(
+        self, variance: Mapping[str, Mapping[int, float]], slots: Mapping[str, SlotInfo]
+    ) -> dict[str, int | None]:
+        """Re-plan from the last measured step (every tensor at its floor before one).
+
+        Args:
+            variance: per slot, the gradient variance it adds at each bit width; where no
+                slot has an estimate yet, each value counts alike (noise ``S(b)`` per value).
+            slots: every slot, with its size.
+        """
+        before = sum(self._measured_storage.values())
+        planned = dict(self.assignment)
+        assignment = super().update(_every_slot(variance, self._free(slots)), slots)
+        self._stalled = assignment == planned
+        if self.measured_peak is not None:
+            after = sum(storage_bits(self._bits(k, slots[k]), slots[k].numel, slots[k].groups, slots[k].element_bits)
+                        for k in self._measured_storage if k in slots)
+            self.predicted_peak = self.measured_peak + int((after - before) // 8)
+        return assignment
+
+    def allowance(self, sizes: Mapping[str, tuple[int, int, int]], floors: Mapping[str, int]) -> float:
+        if self._measured_steps < 2:
+            return 0.0  # every tensor at its cheapest
+        used = sum(self._measured_storage.get(k, storage_bits(floors.get(k, 1), *size)) for k, size in sizes.items())
+        return max(used + 8.0 * (AIM * self.target_bytes - self.measured_peak), 0.0)
+
+    def _free(self, slots: Mapping[str, SlotInfo]) -> dict[str, SlotInfo]:
+        return {k: s for k, s in slots.items() if not self.pins_bits(s)}
+
+    def _bits(self, slot: str, info: SlotInfo) -> int | None:
+        bits = self.choose(slot)
+        return bits if bits is EXACT else max(bits, info.min_bits)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "target_bytes": self.target_bytes}
+
+
+def _every_slot(variance: Mapping[str, Mapping[int, float]], slots: Mapping[str, SlotInfo]) -> dict[str, Mapping[int, float]]:
+    """``variance`` with an estimate for every slot of ``slots``: one without (first seen
+    after the last measurement, or none measured yet) adds, per value, the median of what
+    the measured ones add per value (each value alike where none is measured: ``S(b)``)."""
+    measured = {k: v for k, v in variance.items() if k in slots}
+    per_value = {}
+    for b in (1, 2, 4, 8):
+        ratios = sorted(v[b] / slots[k].numel for k, v in measured.items() if b in v and slots[k].numel)
+        per_value[b] = ratios[len(ratios) // 2] if ratios else quantization_variance(b)
+    return {k: measured.get(k) or {b: s.numel * per_value[b] for b in per_value} for k, s in slots.items()}
