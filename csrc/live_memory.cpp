@@ -3,11 +3,12 @@
 // resident high-water mark also counts what the C allocator keeps for reuse, so it cannot
 // tell whether a plan fits a target; this counter can.
 //
-// Installing it wraps the process's CPU allocator. Each block gets a 64-byte header in
-// front of it holding its size, so a block is freed without a table or a lock, and the
-// pointer handed out is its own context, as the default allocator's are ("simple" data
-// pointers, which copy-on-write clones and raw_deallocate rely on). Blocks allocated before
-// installation are freed by their own deleter and never counted.
+// Installing it wraps the process's CPU allocator. A block is handed out as the inner
+// allocator made it, its own context ("simple" data pointers, which copy-on-write clones
+// and raw_deallocate rely on), with a deleter that finds its size and the inner deleter in a
+// table. The block keeps its size, so what the profiler and the C allocator see is
+// unchanged. Blocks allocated before installation are freed by their own deleter and never
+// counted.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -16,17 +17,22 @@
 
 #include <atomic>
 #include <cstdint>
+#include <mutex>
+#include <unordered_map>
 
 namespace lightning_act {
 namespace {
 
-// A multiple of every alignment the default CPU allocator gives (64 bytes).
-constexpr size_t kHeader = 64;
-
-struct Header {
+struct Block {
   size_t size;
   c10::DeleterFnPtr free_inner;
 };
+
+std::mutex blocks_mutex;
+std::unordered_map<void*, Block>& blocks() {
+  static auto* table = new std::unordered_map<void*, Block>();  // never destroyed: blocks outlive statics
+  return *table;
+}
 
 std::atomic<int64_t> live_bytes{0};
 std::atomic<int64_t> peak_bytes{0};
@@ -39,10 +45,15 @@ void raise_peak(int64_t now) {
 
 void counted_delete(void* data) {
   if (data == nullptr) return;
-  auto* base = static_cast<char*>(data) - kHeader;
-  const Header header = *reinterpret_cast<Header*>(base);
-  live_bytes.fetch_sub(static_cast<int64_t>(header.size), std::memory_order_relaxed);
-  header.free_inner(base);
+  Block block;
+  {
+    std::lock_guard<std::mutex> lock(blocks_mutex);
+    auto found = blocks().find(data);
+    block = found->second;
+    blocks().erase(found);
+  }
+  live_bytes.fetch_sub(static_cast<int64_t>(block.size), std::memory_order_relaxed);
+  block.free_inner(data);
 }
 
 class CountingAllocator final : public c10::Allocator {
@@ -51,12 +62,14 @@ class CountingAllocator final : public c10::Allocator {
 
   c10::DataPtr allocate(size_t nbytes) override {
     if (nbytes == 0) return {nullptr, nullptr, &counted_delete, c10::Device(c10::DeviceType::CPU)};
-    c10::DataPtr block = inner_->allocate(nbytes + kHeader);
+    c10::DataPtr block = inner_->allocate(nbytes);
     c10::DeleterFnPtr free_inner = block.get_deleter();
     // Checked at installation: the inner allocator's blocks are their own context.
-    void* base = block.release_context();
-    *static_cast<Header*>(base) = Header{nbytes, free_inner};
-    void* data = static_cast<char*>(base) + kHeader;
+    void* data = block.release_context();
+    {
+      std::lock_guard<std::mutex> lock(blocks_mutex);
+      blocks()[data] = Block{nbytes, free_inner};
+    }
     raise_peak(live_bytes.fetch_add(static_cast<int64_t>(nbytes), std::memory_order_relaxed) +
                static_cast<int64_t>(nbytes));
     return {data, data, &counted_delete, c10::Device(c10::DeviceType::CPU)};
@@ -80,7 +93,7 @@ bool live_memory_install() {
   if (installed != nullptr) return c10::GetCPUAllocator() == installed;
   if (refused) return false;
   c10::Allocator* inner = c10::GetCPUAllocator();
-  c10::DataPtr probe = inner->allocate(kHeader);
+  c10::DataPtr probe = inner->allocate(64);
   if (probe.get() == nullptr || probe.get_context() != probe.get() || probe.get_deleter() == nullptr) {
     refused = true;
     return false;

@@ -12,9 +12,9 @@ Where a setting comes from matters in two cases. A relative path that a config f
 to a model or data argument typed as a path (``str | os.PathLike``: ``--data.root``,
 ``--data.data_dir``, ``--data.path``) is resolved against the repository root when the
 package runs from a checkout, so ``configs/`` run from any folder; a path typed on the
-command line stays relative to the current folder. And ``--trainer.callbacks.bits`` on
-the command line switches a config's adaptive policy (``budget``) off, as
-``--trainer.callbacks.budget`` switches a config's fixed ``bits`` back to the default.
+command line stays relative to the current folder. And one of ``--trainer.callbacks.bits``,
+``--trainer.callbacks.budget`` or ``--trainer.callbacks.memory_target`` on the command line
+switches a config's other two off (back to their defaults).
 """
 
 from __future__ import annotations
@@ -200,9 +200,14 @@ def _is_path_type(hint: Any) -> bool:
     return hint is os.PathLike or os.PathLike in typing.get_args(hint)
 
 
+#: The callback's ways to choose bits, one at a time.
+_POLICY_KNOBS = ("bits", "budget", "memory_target")
+
+
 def _command_line_policy_wins(trainer: Any, given: set[str]) -> None:
-    """``--trainer.callbacks.bits`` clears a config's ``budget`` (and ``budget`` a config's
-    ``bits``) in the callback it reaches, the last of the list, when that is ActCompression."""
+    """One of ``--trainer.callbacks.bits``, ``budget`` or ``memory_target`` on the command
+    line sets the others back to their defaults in the callback it reaches, the last of the
+    list, when that is ActCompression."""
     callbacks = trainer.get("callbacks") if trainer is not None else None
     if not callbacks or not isinstance(callbacks, list) or not isinstance(callbacks[-1].get("class_path"), str):
         return
@@ -210,11 +215,12 @@ def _command_line_policy_wins(trainer: Any, given: set[str]) -> None:
     init_args = callbacks[-1].get("init_args")
     if not (isinstance(cls, type) and issubclass(cls, ActCompression)) or init_args is None:
         return
-    bits_given, budget_given = "trainer.callbacks.bits" in given, "trainer.callbacks.budget" in given
-    if bits_given and not budget_given:
-        init_args["budget"] = None
-    elif budget_given and not bits_given:
-        init_args["bits"] = inspect.signature(cls).parameters["bits"].default
+    knobs = [knob for knob in _POLICY_KNOBS if f"trainer.callbacks.{knob}" in given]
+    if len(knobs) == 1:
+        defaults = inspect.signature(cls).parameters
+        for other in _POLICY_KNOBS:
+            if other != knobs[0]:
+                init_args[other] = defaults[other].default
 
 
 def _root_cause(error: BaseException) -> BaseException:

@@ -269,6 +269,15 @@ def test_policy_on_the_command_line_replaces_the_configs(config, overrides, bits
         assert compression.policy.budget == budget
 
 
+def test_memory_target_on_the_command_line_replaces_the_configs_budget(in_tmp):
+    if not (DATA / "tinyshakespeare").is_dir():
+        pytest.skip(f"{DATA / 'tinyshakespeare'} is absent: the shared real data sets are not on this machine")
+    config = f"--config={CONFIGS / 'shakespeare_transformer.yaml'}"
+    cli = ActCLI([config, "--trainer.callbacks.memory_target=2GiB"], run=False)
+    (compression,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, ActCompression)]
+    assert compression.targeted and compression.policy.target_bytes == 2 * 2**30
+
+
 def test_bits_and_budget_both_on_the_command_line_fail_in_one_line(in_tmp, capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--trainer.callbacks.bits=4", "--trainer.callbacks.budget=3"])
