@@ -3,6 +3,7 @@ an adaptive policy, recalibrates the bits of each saved tensor every N steps."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -11,7 +12,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import BatchSizeFinder, Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -249,6 +250,7 @@ class ActCompression(Callback):
                 "(requires_grad_(True)) or use trainer.validate/test for a frozen model"
             )
         self._fit_started = time.perf_counter()
+        self._planned_batch_bytes = None  # a memory target's plan is measured afresh in each fit
         if self.adaptive and self.estimator in _PROBE_METHODS and not pl_module.automatic_optimization:
             rank_zero_warn(
                 f"lightning_act: estimator={self.estimator!r} needs automatic optimization (it calls training_step "
@@ -484,6 +486,7 @@ class ActCompression(Callback):
             figures[f"{LOG_PREFIX}/predicted_peak_mib"] = self.policy.predicted_peak / MIB
         verdict = self.policy.observe(peak, self.capture.slots)
         if verdict is Verdict.UNREACHABLE:
+            self._planned_batch_bytes = None  # a batch-size search goes on with a smaller batch
             raise MemoryTargetError(self._unreachable(trainer, pl_module, batch, report, peak))
         if verdict is Verdict.MOVE:
             planned = dict(self.policy.assignment)
@@ -563,6 +566,44 @@ class ActCompression(Callback):
         self._restored_group_axes = dict(state_dict.get("group_axes", {}))
         if self.capture is not None:
             self.capture.group_orders.restore(self._restored_group_axes)
+
+
+class ActBatchSizeFinder(BatchSizeFinder):
+    """Lightning's ``BatchSizeFinder`` with the trial steps compressed by the trainer's
+    :class:`ActCompression`.
+
+    Lightning runs a batch-size search with every callback switched off, so the plain finder
+    finds the batch that fits *uncompressed*. This one runs the callback's step hooks from the
+    LightningModule's own hooks (which the search still calls) while it searches. With a
+    ``memory_target``, a trial batch whose least reachable peak is over the target fails as
+    running out of memory does, so the batch found is the largest whose steps fit the target.
+    Arguments as ``BatchSizeFinder``'s.
+
+    Example::
+
+        trainer = Trainer(callbacks=[ActCompression(memory_target="20GiB"), ActBatchSizeFinder()])
+    """
+
+    _HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end")
+
+    @override
+    def scale_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        compressions = [c for c in trainer.callbacks if isinstance(c, ActCompression)]
+        for name in self._HOOKS if compressions else ():
+            setattr(pl_module, name, functools.partial(_run_callbacks_then, name, compressions, trainer, pl_module,
+                                                        getattr(pl_module, name)))
+        try:
+            super().scale_batch_size(trainer, pl_module)
+        finally:
+            for name in self._HOOKS if compressions else ():
+                delattr(pl_module, name)
+
+
+def _run_callbacks_then(name: str, callbacks: list[Callback], trainer: pl.Trainer, pl_module: pl.LightningModule,
+                        own_hook, *args) -> Any:
+    for callback in callbacks:
+        getattr(callback, name)(trainer, pl_module, *args)
+    return own_hook(*args)
 
 
 class MemoryTargetError(RuntimeError):
