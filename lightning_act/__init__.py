@@ -5,12 +5,11 @@ before backward needs them. Use :class:`ActCompression` as a Lightning callback,
 :func:`compress_activations` around a plain PyTorch forward.
 """
 
-from lightning_act.callback import ActBatchSizeFinder, ActCompression, MemoryTargetError
+from lightning_act.callback import ActCompression, MemoryTargetError
 from lightning_act.capture import ActivationCapture, CompressionReport, ModuleMemory, compress_activations
 from lightning_act.config import CompressionConfig
 
 __all__ = [
-    "ActBatchSizeFinder",
     "ActCompression",
     "ActivationCapture",
     "CompressionConfig",

@@ -230,6 +230,8 @@ class ActCompression(Callback):
         self.capture = ActivationCapture(self.config, pl_module, self.policy)
         self.capture.group_orders.restore(self._restored_group_axes)
         self._step_peak = StepPeakMemory(trainer.strategy.root_device, pl_module)
+        if any(isinstance(callback, BatchSizeFinder) for callback in trainer.callbacks):
+            self._follow_batch_size_search(pl_module)
         ensure_kernels(trainer.strategy.root_device)
         if self.targeted:
             self.policy.target_bytes = parse_memory_target(self.memory_target, trainer.strategy.root_device)
@@ -239,6 +241,11 @@ class ActCompression(Callback):
                     "figure on this device, not live tensors: the CPU kernels are not loaded (see "
                     "lightning_act.ops.loaded_kernels())"
                 )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning runs tuner callbacks first: a batch-size search is over by now.
+        self._stop_following_batch_size_search(pl_module)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -380,6 +387,7 @@ class ActCompression(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_following_batch_size_search(pl_module)  # Tuner's search ends the fit before on_fit_start
         if self.capture is not None and stage == "fit":
             self.capture.close()
 
@@ -456,6 +464,24 @@ class ActCompression(Callback):
                 "as NaN (never as finite values), so the affected gradients are NaN as they would be without "
                 "compression. Check the model for overflow (e.g. fp16 without loss scaling)."
             )
+
+    # ----------------------------------------------------------------- batch-size search
+    _STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end")
+
+    def _follow_batch_size_search(self, pl_module: pl.LightningModule) -> None:
+        """Compress the trial steps of Lightning's batch-size search (``BatchSizeFinder``,
+        ``Tuner.scale_batch_size``), which switches every callback off while it runs, but
+        still calls the LightningModule's own hooks: this callback's step hooks run from
+        those until the search is over. The batch found is then the one that fits
+        compressed (with a memory target: the largest whose steps fit the target)."""
+        for name in self._STEP_HOOKS:
+            setattr(pl_module, name, functools.partial(_this_hook_then, getattr(self, name), pl_module,
+                                                        getattr(pl_module, name)))
+
+    def _stop_following_batch_size_search(self, pl_module: pl.LightningModule) -> None:
+        for name in self._STEP_HOOKS:
+            if isinstance(pl_module.__dict__.get(name), functools.partial):
+                delattr(pl_module, name)
 
     # ----------------------------------------------------------------- memory target
     def _follow_batch_size(self, trainer: pl.Trainer, batch: Any) -> None:
@@ -568,42 +594,9 @@ class ActCompression(Callback):
             self.capture.group_orders.restore(self._restored_group_axes)
 
 
-class ActBatchSizeFinder(BatchSizeFinder):
-    """Lightning's ``BatchSizeFinder`` with the trial steps compressed by the trainer's
-    :class:`ActCompression`.
-
-    Lightning runs a batch-size search with every callback switched off, so the plain finder
-    finds the batch that fits *uncompressed*. This one runs the callback's step hooks from the
-    LightningModule's own hooks (which the search still calls) while it searches. With a
-    ``memory_target``, a trial batch whose least reachable peak is over the target fails as
-    running out of memory does, so the batch found is the largest whose steps fit the target.
-    Arguments as ``BatchSizeFinder``'s.
-
-    Example::
-
-        trainer = Trainer(callbacks=[ActCompression(memory_target="20GiB"), ActBatchSizeFinder()])
-    """
-
-    _HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end")
-
-    @override
-    def scale_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        compressions = [c for c in trainer.callbacks if isinstance(c, ActCompression)]
-        for name in self._HOOKS if compressions else ():
-            setattr(pl_module, name, functools.partial(_run_callbacks_then, name, compressions, trainer, pl_module,
-                                                        getattr(pl_module, name)))
-        try:
-            super().scale_batch_size(trainer, pl_module)
-        finally:
-            for name in self._HOOKS if compressions else ():
-                delattr(pl_module, name)
-
-
-def _run_callbacks_then(name: str, callbacks: list[Callback], trainer: pl.Trainer, pl_module: pl.LightningModule,
-                        own_hook, *args) -> Any:
-    for callback in callbacks:
-        getattr(callback, name)(trainer, pl_module, *args)
-    return own_hook(*args)
+def _this_hook_then(callback_hook, pl_module: pl.LightningModule, module_hook, *args) -> Any:
+    callback_hook(pl_module.trainer, pl_module, *args)
+    return module_hook(*args)
 
 
 class MemoryTargetError(RuntimeError):

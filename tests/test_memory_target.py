@@ -6,10 +6,11 @@ import gc
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import BatchSizeFinder
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_act import ActBatchSizeFinder, ActCompression, MemoryTargetError
+from lightning_act import ActCompression, MemoryTargetError
 from lightning_act.monitor import StepPeakMemory
 from lightning_act.ops import ensure_kernels, loaded_kernels
 from lightning_act.policy import EXACT, SlotInfo, TargetBits, parse_memory_target
@@ -194,8 +195,8 @@ def test_callback_names_the_least_reachable_peak():
 
 def test_batch_size_finder_picks_a_batch_the_target_fits():
     """Power scaling from 16: the target lies between the floor peaks of batches 64 and 256,
-    measured in this process (whose other live tensors count as well). Lightning's own
-    finder switches every callback off while it searches, and would pick 2048."""
+    measured in this process (whose other live tensors count as well). The search runs
+    with every callback off: uncompressed, and blind to the target, it would pick 2048."""
     _live_counter()
 
     def floor_peak(batch):
@@ -207,7 +208,7 @@ def test_batch_size_finder_picks_a_batch_the_target_fits():
     module = _Mlp()
     module.batch_size = 16
     act = ActCompression(memory_target=target, min_numel=1024, estimator="gradient")
-    finder = ActBatchSizeFinder(mode="power", steps_per_trial=2, init_val=16, max_trials=8)
+    finder = BatchSizeFinder(mode="power", steps_per_trial=2, init_val=16, max_trials=8)
     peaks = _fit(act, 4, module, extra=[finder])
     assert module.batch_size in (64, 128)
     assert max(peaks[-4:]) <= target
