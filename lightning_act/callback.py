@@ -23,7 +23,7 @@ from lightning_act.monitor import MIB, StepPeakMemory, log_allocation, log_modul
 from lightning_act.ops import ensure_kernels
 from lightning_act.policy import AdaptiveBits, FixedBits
 from lightning_act.policy.bits import AllocatedBits
-from lightning_act.policy.memory_target import TargetBits, Verdict, parse_memory_target
+from lightning_act.policy.memory_target import COMPILED_SLOPE, TargetBits, Verdict, parse_memory_target
 from lightning_act.policy.bits import bits_name
 from lightning_act.policy.estimators import GradientSensitivity
 
@@ -235,6 +235,8 @@ class ActCompression(Callback):
         ensure_kernels(trainer.strategy.root_device)
         if self.targeted:
             self.policy.target_bytes = parse_memory_target(self.memory_target, trainer.strategy.root_device)
+            if _is_compiled(pl_module):
+                self.policy.slope = max(self.policy.slope, COMPILED_SLOPE)
             if not self._step_peak.exact:
                 rank_zero_warn(
                     f"lightning_act: memory_target={self.memory_target!r} is met against {self._step_peak.source or 'no'} "
@@ -510,6 +512,10 @@ class ActCompression(Callback):
         figures = {f"{LOG_PREFIX}/memory_target_mib": self.policy.target_bytes / MIB}
         if self.policy.predicted_peak is not None:
             figures[f"{LOG_PREFIX}/predicted_peak_mib"] = self.policy.predicted_peak / MIB
+        if self.capture.compiled_in_session:
+            # Compiling allocates in the step it happens in (inductor's constants, autotuning
+            # buffers): that step's peak is not the plan's, and the next one measures it.
+            return figures
         verdict = self.policy.observe(peak, self.capture.slots)
         if verdict is Verdict.UNREACHABLE:
             self._planned_batch_bytes = None  # a batch-size search goes on with a smaller batch

@@ -224,6 +224,9 @@ class ActivationCapture:
         self._qualnames: dict[str, str] = {}
         self._state: tuple[Any, str] = (None, "")
         self._layout_optimization: bool | None = None  # inductor's, while this session turned it off
+        #: Whether a graph was compiled since the session started (its step's peak then holds
+        #: the compiler's own allocations).
+        self.compiled_in_session = False
         self._filtering = "donated"  # torch's choice of the saves hooks see, outside sessions
         self._reset_session(seed=0)
 
@@ -251,6 +254,7 @@ class ActivationCapture:
         if self._active:
             raise RuntimeError("ActivationCapture.start() called twice without stop()")
         ActivationCapture._sessions_in_process += 1
+        self.compiled_in_session = False
         if seed is None:
             # Counted per process, not per capture: a plain ``with compress_activations()``
             # block per step makes a new capture each step, and must not repeat its noise.
@@ -346,6 +350,7 @@ class ActivationCapture:
         142.4 MiB eager, and 51.8 MiB at 2 bits instead of 9.5 MiB
         (``benchmarks/compiled.py``). ``TORCHINDUCTOR_LAYOUT_OPTIMIZATION=1`` keeps it on."""
         check_compiled_codecs(self.config, self.policy.rules)
+        self.compiled_in_session = True
         config = sys.modules.get("torch._inductor.config")
         if config is None or self._layout_optimization is not None or "TORCHINDUCTOR_LAYOUT_OPTIMIZATION" in os.environ:
             return

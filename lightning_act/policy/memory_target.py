@@ -10,11 +10,14 @@ within the storage the target leaves, closed loop on the peak each step measures
    batch (:attr:`Verdict.UNREACHABLE`). The first step allocates what later steps keep
    (the optimizer's state, gradients held through the next forward), so its peak
    understates theirs: the plan moves from the second step's peak on.
-2. After a step under the target, the tensors may use ``aim - measured`` more bytes than that
-   step's plan used. A stored byte more raises the peak by at most one byte: the records are
-   at most all alive at once at the peak, and a tensor stored with more bits needs no larger
-   buffer to decode. So a move up from a plan that fitted fits too, and each move closes a
-   share of the gap, the share of the records alive at the peak.
+2. After a step under the target, the tensors may use ``(aim - measured) / slope`` more bytes
+   than that step's plan used. In eager mode a stored byte more raises the peak by at most
+   one byte (slope one): the records are at most all alive at once at the peak, and a tensor
+   stored with more bits needs no larger buffer to decode. So a move up from a plan that
+   fitted fits too, and each move closes a share of the gap, the share of the records alive
+   at the peak. Under ``torch.compile`` the plan also changes what the partitioner saves,
+   and a byte of plan can cost more: the slope starts higher there, and every move raises it
+   to what it measured.
 3. A step over the target (a longer sequence, a larger batch) moves the plan down by the
    excess; if the records alive at the peak are only part of them, a few steps are needed.
 
@@ -38,6 +41,11 @@ from lightning_act.policy.bits import EXACT_NAME, AllocatedBits, SlotInfo, parse
 AIM = 0.98
 #: Below this share of the target a step's plan moves up (where it can).
 LOW_WATER = 0.93
+#: The slope a compiled model starts from: on a compiled MLP a move that added 2.2 MiB of
+#: plan raised the peak by 4.6 MiB (the partitioner saved more beside the records).
+COMPILED_SLOPE = 2.0
+#: No measured slope counts for more (a move would hardly move).
+MAX_SLOPE = 4.0
 
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -113,9 +121,10 @@ class TargetBits(AllocatedBits):
 
     def __init__(
         self,
-        target_bytes: int,
+        target_bytes: int | float | str,
         candidates: Sequence[int | str] = (1, 2, 4, 8, EXACT_NAME),
         rules: Mapping[str, int | str] | None = None,
+        slope: float = 1.0,
     ):
         widths = [b for b in (parse_bits(c, "candidates") for c in candidates) if b is not EXACT]
         if not widths:
@@ -127,7 +136,12 @@ class TargetBits(AllocatedBits):
         self._measured_storage: dict[str, float] = {}
         #: The peak the current plan is expected to stay under (None before a measurement).
         self.predicted_peak: int | None = None
+        #: The most the peak rose per byte of storage a move added: 1 in eager (see the
+        #: module), more where the plan changes what is saved (a compiled graph's partition).
+        #: Raised to what a move measures.
+        self.slope = float(slope)
         self._measured_steps = 0
+        self._measured_total = 0.0
         # The last update left the plan as it was: the next step is not a reason to move again.
         self._stalled = False
 
@@ -137,19 +151,22 @@ class TargetBits(AllocatedBits):
         self.measured_peak = self.predicted_peak = None
         self._measured_storage = {}
         self._measured_steps = 0
-        # The last update left the plan as it was: the next step is not a reason to move again.
+        self._measured_total = 0.0
         self._stalled = False
 
     def observe(self, peak_bytes: int, slots: Mapping[str, SlotInfo]) -> Verdict:
         """Take the measured peak of a step run under the current plan."""
+        free = self._free(slots)
+        storage_by_slot = {k: storage_bits(self._bits(k, s), s.numel, s.groups, s.element_bits) for k, s in free.items()}
+        storage = sum(storage_by_slot.values())
+        added = (storage - self._measured_total) / 8
+        if self.measured_peak is not None and added > 0.01 * self.target_bytes:
+            self.slope = min(max(self.slope, (peak_bytes - self.measured_peak) / added), MAX_SLOPE)
         self.measured_peak = peak_bytes
         self._measured_steps += 1
-        free = self._free(slots)
-        self._measured_storage = {k: storage_bits(self._bits(k, s), s.numel, s.groups, s.element_bits)
-                                  for k, s in free.items()}
+        self._measured_storage, self._measured_total = storage_by_slot, storage
         floor = sum(storage_bits(s.min_bits, s.numel, s.groups, s.element_bits) for s in free.values())
         exact = sum(s.numel * s.element_bits for s in free.values())
-        storage = sum(self._measured_storage.values())
         if peak_bytes > self.target_bytes:
             return Verdict.UNREACHABLE if storage <= floor else Verdict.MOVE
         if self._measured_steps < 2 or self._stalled:
@@ -175,21 +192,23 @@ class TargetBits(AllocatedBits):
                 slot has an estimate yet, each value counts alike (noise ``S(b)`` per value).
             slots: every slot, with its size.
         """
-        before = sum(self._measured_storage.values())
+        before = self._measured_total
         planned = dict(self.assignment)
         assignment = super().update(_every_slot(variance, self._free(slots)), slots)
         self._stalled = assignment == planned
         if self.measured_peak is not None:
             after = sum(storage_bits(self._bits(k, slots[k]), slots[k].numel, slots[k].groups, slots[k].element_bits)
                         for k in self._measured_storage if k in slots)
-            self.predicted_peak = self.measured_peak + int((after - before) // 8)
+            self.predicted_peak = self.measured_peak + int(max(self.slope, 1.0) * (after - before) // 8)
         return assignment
 
     def allowance(self, sizes: Mapping[str, tuple[int, int, int]], floors: Mapping[str, int]) -> float:
         if self._measured_steps < 2:
             return 0.0  # every tensor at its cheapest
         used = sum(self._measured_storage.get(k, storage_bits(floors.get(k, 1), *size)) for k, size in sizes.items())
-        return max(used + 8.0 * (AIM * self.target_bytes - self.measured_peak), 0.0)
+        room = AIM * self.target_bytes - self.measured_peak
+        # Up by what the room allows at the steepest rise seen; down by at least the excess.
+        return max(used + 8.0 * (room / self.slope if room > 0 else room), 0.0)
 
     def _free(self, slots: Mapping[str, SlotInfo]) -> dict[str, SlotInfo]:
         return {k: s for k, s in slots.items() if not self.pins_bits(s)}
