@@ -7,18 +7,19 @@ batch every step) and measures each step's peak as the callback does (live tenso
 allocator, or on the CPU the counter around the CPU allocator), from a fresh model each run:
 
 * ``none``: no callback; ``floor``: ``ActCompression(bits=1)``, every tensor at its lowest
-  bits (about the least reachable peak); ``checkpoint``: no compression, every block
-  recomputed (``torch.utils.checkpoint``, non-reentrant);
-* ``ActCompression(memory_target=...)`` at targets spread from just above the floor's peak to
-  above none's, at the checkpointing run's peak, and below the floor (which must fail at
-  the first steps, naming the least reachable peak).
+  bits (about the least reachable peak); ``bits2``: ``ActCompression(bits=2)``;
+  ``checkpoint``: no compression, every block recomputed (``torch.utils.checkpoint``,
+  non-reentrant);
+* ``ActCompression(memory_target=...)`` at targets spread from 2% above the floor's peak to
+  above none's, at the checkpointing run's and the 2-bit run's peaks, and below the floor
+  (which must fail at the first steps, naming the least reachable peak).
 
 It reports per target: the peak of each step, whether every step stayed at or under the
 target, whether the steps from the fourth on reached 0.9 of it, and the median step time
 (the first four steps, which plan, left out); across targets, whether a lower target ever
 gave a higher final peak.
 
-    python benchmarks/memory_target.py                     # every model, about 15 minutes on 2 cores
+    python benchmarks/memory_target.py                     # every model, about 30 minutes on 2 cores
     python benchmarks/memory_target.py --models resnet18_cifar --steps 10
 """
 
@@ -39,15 +40,39 @@ import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Checkpointing, Workload, _git, environment  # noqa: E402
-from peak_memory import MODELS, build  # noqa: E402
+from harness import Checkpointing, Workload, _git, build_vit, environment  # noqa: E402
+from peak_memory import MODELS, ModelSpec, build  # noqa: E402
 
 from lightning_act import ActCompression, MemoryTargetError  # noqa: E402
 from lightning_act.monitor import StepPeakMemory  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
-DEFAULT_MODELS = ("resnet18_cifar", "transformer", "gcn_cora")
+
+def build_llama(batch: int, device: torch.device, data_dir: Path, **sizes) -> Workload:
+    """An HF Llama (``transformers``, SDPA attention) on random tokens; its decoder layers
+    are the blocks checkpointing recomputes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(attn_implementation="sdpa", **sizes)).to(device)
+    tokens = torch.randint(0, sizes["vocab_size"], (batch, sizes["max_position_embeddings"] + 1),
+                           generator=torch.Generator().manual_seed(1)).to(device)
+    return Workload(model, (tokens,), lambda m, t: m(input_ids=t[:, :-1], labels=t[:, 1:]).loss,
+                    list(model.model.layers), batch)
+
+
+# Two more for this benchmark, built by peak_memory's build as its own.
+MODELS.update({
+    "vit": ModelSpec("ViT 32x32, patch 4, d192 L6", build_vit, 32,
+                     {"image_size": 32, "patch_size": 4, "num_layers": 6, "num_heads": 3, "hidden_dim": 192,
+                      "mlp_dim": 768, "num_classes": 10}),
+    "llama": ModelSpec("HF Llama d256 L4, 256 tokens", build_llama, 8,
+                       {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+                        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}),
+})
+DEFAULT_MODELS = ("resnet18_cifar", "vit", "llama", "gcn_cora")
+#: The lowest target tried, over the floor's peak (a step at the floor varies by about 0.1%).
+FLOOR_MARGIN = 1.02
 #: Targets as shares of the way from the floor's peak to none's (above 1: over none's).
 SHARES = (0.1, 0.35, 0.6, 0.85, 1.2)
 #: Steps that plan (two at the floor, then moves) before the steady ones.
@@ -123,11 +148,13 @@ class _nothing:
 def measure_model(name: str, steps: int, device: torch.device, data_dir: Path) -> dict:
     none = fit(name, steps, device, data_dir)
     floor = fit(name, steps, device, data_dir, ActCompression(bits=1))
+    bits2 = fit(name, steps, device, data_dir, ActCompression(bits=2))
     checkpoint = fit(name, steps, device, data_dir, checkpointed=True)
     none_peak, floor_peak = none["peaks_mib"][-1], floor["peaks_mib"][-1]
-    targets = sorted({round(floor_peak + share * (none_peak - floor_peak), 2) for share in SHARES}
-                     | {checkpoint["peaks_mib"][-1]})
-    row = {"title": MODELS[name].title, "batch": MODELS[name].batch, "none": none, "floor": floor,
+    lowest = FLOOR_MARGIN * floor_peak
+    spread = {round(max(floor_peak + share * (none_peak - floor_peak), lowest), 2) for share in SHARES}
+    targets = sorted(spread | {round(max(run["peaks_mib"][-1], lowest), 2) for run in (checkpoint, bits2)})
+    row = {"title": MODELS[name].title, "batch": MODELS[name].batch, "none": none, "floor": floor, "bits2": bits2,
            "checkpoint": checkpoint, "targets": {}}
     for target in [round(0.9 * floor_peak, 2), *targets]:
         run = fit(name, steps, device, data_dir, ActCompression(memory_target=int(target * MIB)))
@@ -147,7 +174,8 @@ def table(results: dict) -> str:
         lines += [
             f"\n### {row['title']}, batch {row['batch']}\n",
             f"none {row['none']['peaks_mib'][-1]:.1f} MiB ({row['none']['step_s']:.3f} s/step), every tensor at its "
-            f"floor {row['floor']['peaks_mib'][-1]:.1f} MiB, checkpointing {row['checkpoint']['peaks_mib'][-1]:.1f} MiB "
+            f"floor {row['floor']['peaks_mib'][-1]:.1f} MiB, 2 bits {row['bits2']['peaks_mib'][-1]:.1f} MiB "
+            f"({row['bits2']['step_s']:.3f} s/step), checkpointing {row['checkpoint']['peaks_mib'][-1]:.1f} MiB "
             f"({row['checkpoint']['step_s']:.3f} s/step); a lower target never a higher final peak: "
             f"{'yes' if row['monotone'] else 'no'}\n",
             "| target MiB | peak of each step, MiB | every step <= target | steps 4+ >= 0.9 target | s/step |",

@@ -108,7 +108,9 @@ std::tuple<int64_t, int64_t> live_memory_read() {
   return {live_bytes.load(std::memory_order_relaxed), peak_bytes.load(std::memory_order_relaxed)};
 }
 
-void live_memory_reset_peak() { peak_bytes.store(live_bytes.load(std::memory_order_relaxed), std::memory_order_relaxed); }
+void live_memory_reset_peak() {
+  peak_bytes.store(live_bytes.load(std::memory_order_relaxed), std::memory_order_relaxed);
+}
 
 // Whether a tensor's storage was allocated through the counter (and so is in its figures).
 bool live_memory_counts(const at::Tensor& t) {

@@ -17,13 +17,28 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_act.capture import ActivationCapture, CompressionReport, splitmix64
-from lightning_act.capture.engine import check_compiled_codecs, runs_compiled
+from lightning_act.capture.engine import check_compiled_codecs, runs_compiled, tensors_in
 from lightning_act.config import CompressionConfig
-from lightning_act.monitor import MIB, StepPeakMemory, log_allocation, log_module_memory, module_mean_bits
+from lightning_act.monitor import (
+    MIB,
+    StepPeakMemory,
+    log_allocation,
+    log_module_memory,
+    module_mean_bits,
+    step_holdings,
+    storage_bytes,
+)
 from lightning_act.ops import ensure_kernels
 from lightning_act.policy import AdaptiveBits, FixedBits
 from lightning_act.policy.bits import AllocatedBits
-from lightning_act.policy.memory_target import COMPILED_SLOPE, TargetBits, Verdict, parse_memory_target
+from lightning_act.policy.memory_target import (
+    COMPILED_SLOPE,
+    MemoryTargetError,
+    TargetBits,
+    Verdict,
+    parse_memory_target,
+    unreachable_message,
+)
 from lightning_act.policy.bits import bits_name
 from lightning_act.policy.estimators import GradientSensitivity
 
@@ -203,8 +218,6 @@ class ActCompression(Callback):
         # stored bytes are then the batch's and those bits' own.
         self._pending_allocation: tuple[int, dict[str, dict[int, float]], dict[str, float]] | None = None
         self._restored_group_axes: dict[str, int | None] = {}
-        # The batch's bytes the memory target's plan was measured at (None: not yet).
-        self._planned_batch_bytes: int | None = None
         self._told_all_exact = False
 
     @property
@@ -239,9 +252,9 @@ class ActCompression(Callback):
                 self.policy.slope = max(self.policy.slope, COMPILED_SLOPE)
             if not self._step_peak.exact:
                 rank_zero_warn(
-                    f"lightning_act: memory_target={self.memory_target!r} is met against {self._step_peak.source or 'no'} "
-                    "figure on this device, not live tensors: the CPU kernels are not loaded (see "
-                    "lightning_act.ops.loaded_kernels())"
+                    f"lightning_act: memory_target={self.memory_target!r} is met against the "
+                    f"{self._step_peak.source or 'no'} figure on this device, not live tensors: the CPU kernels are "
+                    "not loaded (see lightning_act.ops.loaded_kernels())"
                 )
 
     @override
@@ -259,7 +272,8 @@ class ActCompression(Callback):
                 "(requires_grad_(True)) or use trainer.validate/test for a frozen model"
             )
         self._fit_started = time.perf_counter()
-        self._planned_batch_bytes = None  # a memory target's plan is measured afresh in each fit
+        if self.targeted:
+            self.policy.restart()  # measured afresh in each fit
         if self.adaptive and self.estimator in _PROBE_METHODS and not pl_module.automatic_optimization:
             rank_zero_warn(
                 f"lightning_act: estimator={self.estimator!r} needs automatic optimization (it calls training_step "
@@ -487,19 +501,12 @@ class ActCompression(Callback):
 
     # ----------------------------------------------------------------- memory target
     def _follow_batch_size(self, trainer: pl.Trainer, batch: Any) -> None:
-        """Measure from the lowest bits again when the batch grows past what the plan was
-        measured at (or shrinks to under half of it): a batch-size search, a new stage."""
-        size = _batch_bytes(batch)
-        planned = self._planned_batch_bytes
-        if planned is not None and 0.5 * planned <= size <= 1.25 * planned:
-            return
-        if planned is not None:
+        size = storage_bytes(tensors_in(batch))
+        if self.policy.follow_batch(size):
             rank_zero_info(
-                f"lightning_act: the batch went from {planned / MIB:.2f} to {size / MIB:.2f} MiB at step "
-                f"{trainer.global_step}: the memory target's plan starts again from the lowest bits"
+                f"lightning_act: the batch is {size / MIB:.2f} MiB at step {trainer.global_step}: the memory target's "
+                "plan starts again from the lowest bits"
             )
-        self.policy.restart()
-        self._planned_batch_bytes = size
 
     def _follow_target(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                        report: CompressionReport) -> dict[str, float]:
@@ -518,7 +525,7 @@ class ActCompression(Callback):
             return figures
         verdict = self.policy.observe(peak, self.capture.slots)
         if verdict is Verdict.UNREACHABLE:
-            self._planned_batch_bytes = None  # a batch-size search goes on with a smaller batch
+            self.policy.restart()  # a batch-size search goes on with a smaller batch
             raise MemoryTargetError(self._unreachable(trainer, pl_module, batch, report, peak))
         if verdict is Verdict.MOVE:
             planned = dict(self.policy.assignment)
@@ -542,29 +549,9 @@ class ActCompression(Callback):
 
     def _unreachable(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                      report: CompressionReport, peak: int) -> str:
-        parameters = _tensor_bytes(pl_module.parameters())
-        gradients = _tensor_bytes(p.grad for p in pl_module.parameters() if p.grad is not None)
-        optimizer_state = _tensor_bytes(
-            value for optimizer in trainer.optimizers for state in optimizer.state.values() for value in state.values()
-        )
-        held = {
-            "parameters": parameters,
-            "gradients": gradients,
-            "optimizer state": optimizer_state,
-            "the batch": _batch_bytes(batch),
-            "the forward's saved tensors at their lowest bits": report.stored_bytes,
-        }
-        held["backward's buffers, the optimizer's temporaries and the rest"] = max(peak - sum(held.values()), 0)
-        # Lightning's batch-size finder backs off on errors that read as running out of memory.
-        oom = "CUDA out of memory" if pl_module.device.type == "cuda" else "DefaultCPUAllocator: can't allocate memory"
-        return (
-            f"lightning_act: memory_target={self.memory_target!r} ({self.policy.target_bytes / MIB:.1f} MiB) cannot be "
-            f"met at this batch: with every saved tensor at its lowest bits, step {trainer.global_step} peaked at "
-            f"{peak / MIB:.1f} MiB ({self._step_peak.source}), the least reachable peak. It holds "
-            + ", ".join(f"{name} {size / MIB:.1f} MiB" for name, size in held.items())
-            + f". Raise the target to at least {peak / MIB:.1f} MiB or lower the batch size. Raised as running out "
-            f"of memory ({oom}) so that Lightning's batch-size finder backs off."
-        )
+        held = step_holdings(pl_module, trainer.optimizers, tensors_in(batch), report.stored_bytes)
+        return unreachable_message(self.memory_target, self.policy.target_bytes, peak, trainer.global_step,
+                                   self._step_peak.source, held, pl_module.device.type)
 
     def _target_summary(self) -> list[str]:
         policy = self.policy
@@ -603,36 +590,6 @@ class ActCompression(Callback):
 def _this_hook_then(callback_hook, pl_module: pl.LightningModule, module_hook, *args) -> Any:
     callback_hook(pl_module.trainer, pl_module, *args)
     return module_hook(*args)
-
-
-class MemoryTargetError(RuntimeError):
-    """A memory target below the least reachable peak of a step."""
-
-
-def _tensor_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors``."""
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
-                if isinstance(t, torch.Tensor)}.values())
-
-
-def _batch_bytes(batch: Any) -> int:
-    """Bytes of the tensors in a batch (nested containers and graph batches' ``to_dict``)."""
-    found: list[torch.Tensor] = []
-
-    def walk(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, Mapping):
-            for item in value.values():
-                walk(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                walk(item)
-        elif callable(getattr(value, "to_dict", None)):
-            walk(value.to_dict())
-
-    walk(batch)
-    return _tensor_bytes(found)
 
 
 def _leading_rows(batch: Any, rows: int) -> Any:

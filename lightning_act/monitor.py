@@ -54,11 +54,8 @@ class StepPeakMemory:
         elif device.type == "cpu" and _install_live_counter():
             self.source = "live tensors, lightning_act's CPU allocator counter"
             counts = torch.ops.lightning_act.live_memory_counts
-            held = {} if model is None else {
-                t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu" and not counts(t)
-            }
-            self._untracked = sum(held.values())
+            self._untracked = 0 if model is None else storage_bytes(
+                t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu" and not counts(t))
         elif self._resident:
             self.source = "resident high-water mark (VmHWM)"
         else:
@@ -89,6 +86,28 @@ class StepPeakMemory:
     def resident_peak_bytes(self) -> int | None:
         """On a Linux CPU, the process's resident high-water mark since :meth:`start`."""
         return _resident_high_water_mark() if self._resident else None
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def step_holdings(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], batch_tensors,
+                  saved_bytes: int) -> dict[str, int]:
+    """Bytes a training step holds by what holds them: parameters, gradients, optimizer
+    state, the batch and the forward's saved tensors (``saved_bytes``)."""
+    parameters = list(model.parameters())
+    return {
+        "parameters": storage_bytes(parameters),
+        "gradients": storage_bytes(p.grad for p in parameters if p.grad is not None),
+        "optimizer state": storage_bytes(
+            value for optimizer in optimizers for state in optimizer.state.values() for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ),
+        "the batch": storage_bytes(batch_tensors),
+        "the forward's saved tensors": saved_bytes,
+    }
 
 
 def _install_live_counter() -> bool:

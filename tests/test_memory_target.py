@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import BatchSizeFinder
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_act import ActCompression, MemoryTargetError
+from lightning_act import ActCompression, MemoryTarget, MemoryTargetError
 from lightning_act.monitor import StepPeakMemory
 from lightning_act.ops import ensure_kernels, loaded_kernels
 from lightning_act.policy import EXACT, SlotInfo, TargetBits, parse_memory_target
@@ -212,3 +212,36 @@ def test_batch_size_finder_picks_a_batch_the_target_fits():
     peaks = _fit(act, 4, module, extra=[finder])
     assert module.batch_size in (64, 128)
     assert max(peaks[-4:]) <= target
+
+
+def test_plain_loop_holds_every_step_under_the_target():
+    """MemoryTarget without Lightning: the same loop, around a hand-written step."""
+    _live_counter()
+    torch.manual_seed(0)
+    module = _Mlp()
+    model, loader = module.net, module.train_dataloader()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def run(target, steps=8):
+        peaks = []
+        for step, (x, y) in enumerate(loader):
+            if step == steps:
+                break
+            with target.step(inputs=x):
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            peaks.append(target.last_peak_bytes)
+        return peaks
+
+    gc.collect()
+    floor = run(MemoryTarget(model, 10**12, optimizers=[optimizer], rules={"*": 1}, min_numel=1024), 3)[-1]
+    exact = run(MemoryTarget(model, 10**12, optimizers=[optimizer], rules={"*": "exact"}, min_numel=1024), 3)[-1]
+    target = MemoryTarget(model, (floor + exact) // 2, optimizers=[optimizer], min_numel=1024)
+    x, y = next(iter(loader))
+    target.calibrate(lambda: nn.functional.cross_entropy(model(x[:8]), y[:8]), inputs=x[:8])
+    peaks = run(target)
+    assert max(peaks) <= target.policy.target_bytes, peaks
+    assert peaks[-1] >= 0.9 * target.policy.target_bytes, peaks
+    with pytest.raises(MemoryTargetError, match="least reachable peak"):
+        run(MemoryTarget(model, floor // 2, optimizers=[optimizer]), 3)

@@ -26,7 +26,7 @@ import os
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -533,18 +533,10 @@ class ActivationCapture:
 
     def mark_external(self, obj: Any) -> None:
         """Declare tensors alive for the whole step: they are saved as they are, uncounted."""
-        if isinstance(obj, torch.Tensor):
-            ptr, ref = storage_key(obj)
+        for t in tensors_in(obj):
+            ptr, ref = storage_key(t)
             self._external[ptr] = ref
             NativeSaves.external(self, ptr)
-        elif isinstance(obj, dict):
-            for value in obj.values():
-                self.mark_external(value)
-        elif isinstance(obj, (list, tuple)):
-            for value in obj:
-                self.mark_external(value)
-        elif hasattr(obj, "to_dict"):  # torch_geometric Data / Batch
-            self.mark_external(obj.to_dict())
 
     # ----------------------------------------------------------------- module attribution
     def _enter_module(self, module: nn.Module) -> None:
@@ -988,6 +980,21 @@ def _switch_around_compiled_calls(modules: list[nn.Module]) -> None:
 
         call._lightning_act_switch = True
         module._compiled_call_impl = call
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a batch: nested dicts, lists and tuples, and graph batches
+    (``torch_geometric`` ``Data``, through ``to_dict``)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from tensors_in(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from tensors_in(value)
+    elif callable(getattr(obj, "to_dict", None)):
+        yield from tensors_in(obj.to_dict())
 
 
 class _CaptureContext:

@@ -46,6 +46,8 @@ LOW_WATER = 0.93
 COMPILED_SLOPE = 2.0
 #: No measured slope counts for more (a move would hardly move).
 MAX_SLOPE = 4.0
+#: A batch this much larger than the one the plan was measured at starts it again.
+BATCH_GROWTH = 1.25
 
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -92,6 +94,28 @@ def device_memory(device: torch.device) -> int:
     if device.type == "cpu" and hasattr(os, "sysconf"):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     raise ValueError(f"memory_target as a fraction needs the memory of device {device}; give bytes such as '20GiB'")
+
+
+class MemoryTargetError(RuntimeError):
+    """A memory target below the least reachable peak of a step."""
+
+
+def unreachable_message(target: object, target_bytes: int, peak: int, step: int, source: str | None,
+                        held: Mapping[str, int], device_type: str) -> str:
+    """Why a target cannot be met: the least reachable peak (``peak``, measured at ``step``
+    by ``source`` with every tensor at its floor) and what occupies it (``held``: bytes by
+    what holds them; the rest of the peak is named as backward's buffers and temporaries)."""
+    parts = dict(held)
+    parts["backward's buffers, the optimizer's temporaries and the rest"] = max(peak - sum(held.values()), 0)
+    # Lightning's batch-size finder backs off on errors that read as running out of memory.
+    oom = "CUDA out of memory" if device_type == "cuda" else "DefaultCPUAllocator: can't allocate memory"
+    return (
+        f"lightning_act: memory_target={target!r} ({target_bytes / 2**20:.1f} MiB) cannot be met at this batch: "
+        f"with every saved tensor at its lowest bits, step {step} peaked at {peak / 2**20:.1f} MiB ({source}), the "
+        "least reachable peak. It holds " + ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in parts.items())
+        + f". Raise the target to at least {peak / 2**20:.1f} MiB or lower the batch size. Raised as running out of "
+        f"memory ({oom}) so that Lightning's batch-size finder backs off."
+    )
 
 
 class Verdict(enum.Enum):
@@ -144,6 +168,20 @@ class TargetBits(AllocatedBits):
         self._measured_total = 0.0
         # The last update left the plan as it was: the next step is not a reason to move again.
         self._stalled = False
+        # The batch's bytes the plan is measured at (None: none yet).
+        self._planned_batch_bytes: int | None = None
+
+    def follow_batch(self, batch_bytes: int) -> bool:
+        """Restart (:meth:`restart`) where a batch is more than ``BATCH_GROWTH`` times the
+        bytes of the one the plan was measured at, or under half of them (a batch-size search,
+        a new stage); returns whether it did. Batches that vary less (sequences of varying
+        length, a last smaller batch) are followed by the loop itself."""
+        planned = self._planned_batch_bytes
+        if planned is not None and planned / 2 <= batch_bytes <= BATCH_GROWTH * planned:
+            return False
+        self.restart()
+        self._planned_batch_bytes = batch_bytes
+        return planned is not None
 
     def restart(self) -> None:
         """Back to every tensor at its floor, measured afresh (another batch size)."""
@@ -153,11 +191,13 @@ class TargetBits(AllocatedBits):
         self._measured_steps = 0
         self._measured_total = 0.0
         self._stalled = False
+        self._planned_batch_bytes = None
 
     def observe(self, peak_bytes: int, slots: Mapping[str, SlotInfo]) -> Verdict:
         """Take the measured peak of a step run under the current plan."""
         free = self._free(slots)
-        storage_by_slot = {k: storage_bits(self._bits(k, s), s.numel, s.groups, s.element_bits) for k, s in free.items()}
+        storage_by_slot = {k: storage_bits(self._bits(k, s), s.numel, s.groups, s.element_bits)
+                           for k, s in free.items()}
         storage = sum(storage_by_slot.values())
         added = (storage - self._measured_total) / 8
         if self.measured_peak is not None and added > 0.01 * self.target_bytes:
@@ -221,7 +261,9 @@ class TargetBits(AllocatedBits):
         return {**super().state_dict(), "target_bytes": self.target_bytes}
 
 
-def _every_slot(variance: Mapping[str, Mapping[int, float]], slots: Mapping[str, SlotInfo]) -> dict[str, Mapping[int, float]]:
+def _every_slot(
+    variance: Mapping[str, Mapping[int, float]], slots: Mapping[str, SlotInfo]
+) -> dict[str, Mapping[int, float]]:
     """``variance`` with an estimate for every slot of ``slots``: one without (first seen
     after the last measurement, or none measured yet) adds, per value, the median of what
     the measured ones add per value (each value alike where none is measured: ``S(b)``)."""
