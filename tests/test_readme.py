@@ -9,6 +9,8 @@ names it leaves behind are checked against what the text around it promises.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,7 +50,7 @@ def _run(name: str) -> dict:
 
 
 def test_the_documents_mark_their_complete_examples():
-    assert {"lightning", "pytorch", "settings", "adaptive-pytorch"} <= set(EXAMPLES)
+    assert {"lightning", "pytorch", "settings", "adaptive-pytorch", "plain-target"} <= set(EXAMPLES)
     assert EXAMPLES["lightning"][0].name == EXAMPLES["pytorch"][0].name == "README.md"
 
 
@@ -85,6 +87,16 @@ def test_adaptive_pytorch_example(tmp_path, monkeypatch):
     assert capture.policy.assignment, "calibrate allocated no bits"
     assert set(capture.policy.assignment) <= set(capture.slots)
     assert capture.report.stored_bytes < capture.report.saved_bytes
+
+
+def test_plain_target_example():
+    """In a process of its own: the target bounds every live tensor of the process, and a
+    test session holds others."""
+    document, line, code = EXAMPLES["plain-target"]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    peak, target = map(float, re.search(r"peak ([\d.]+) MiB of a (\d+) MiB target", done.stdout).groups())
+    assert 0 < peak <= target
 
 
 def _callback_yaml_blocks() -> list:
