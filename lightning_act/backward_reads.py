@@ -705,7 +705,7 @@ class PointwiseDerivative:
             return _branch(functools.partial(namespace["forward"], None), getattr(torch, dtype.split(".")[-1]))
 
         try:  # in a thread of its own: asked while a compiled graph is traced, under fake tensors
-            found = _in_fresh_thread(build)
+            found = in_fresh_thread(build)
         except Exception:
             return None
         if found is not None:
@@ -1117,7 +1117,7 @@ def call_reads(func: Callable, args: tuple, kwargs: dict, autocast: tuple = ()) 
         if key in _cache:
             traced = _cache[key]
             return None if traced is None else (traced.reads, traced.saves)
-    traced = _in_fresh_thread(lambda: _trace(func, args, kwargs, autocast))
+    traced = in_fresh_thread(lambda: _trace(func, args, kwargs, autocast))
     with _cache_lock:
         _cache[key] = traced
     return None if traced is None else (traced.reads, traced.saves)
@@ -1134,10 +1134,12 @@ def _backward_decompositions() -> dict:
     return {op: fn for op, fn in core_aten_decompositions().items() if "backward" in op.name()}
 
 
-def _in_fresh_thread(work: Callable[[], Any]) -> Any:
-    """``work()`` in a thread of its own. The trace starts from clean per-thread state: a pack
+def in_fresh_thread(work: Callable[[], Any]) -> Any:
+    """``work()`` in a thread of its own. A trace starts from clean per-thread state: a pack
     hook runs inside the saving op's dispatch, where autocast's dispatch key is excluded and
-    the caller's saved-tensor hooks and torch function modes are active."""
+    the caller's saved-tensor hooks and torch function modes are active. And what FX keeps of
+    the stack it traced from (frames, in reference cycles until the collector runs) is this
+    thread's, not the caller's with its tensors."""
     outcome: dict[str, Any] = {}
 
     def run() -> None:
@@ -1369,7 +1371,7 @@ def graph_reads(backward: fx.Graph) -> dict[str, Read]:
     """
     reads = _graph_cache.get(backward)
     if reads is None:
-        reads = _graph_cache[backward] = _in_fresh_thread(lambda: _read_graph(backward))
+        reads = _graph_cache[backward] = in_fresh_thread(lambda: _read_graph(backward))
     return reads
 
 
