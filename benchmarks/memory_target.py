@@ -9,7 +9,8 @@ allocator, or on the CPU the counter around the CPU allocator), from a fresh mod
 * ``none``: no callback; ``floor``: ``ActCompression(bits=1)``, every tensor at its lowest
   bits (about the least reachable peak); ``bits2``: ``ActCompression(bits=2)``;
   ``checkpoint``: no compression, every block recomputed (``torch.utils.checkpoint``,
-  non-reentrant);
+  non-reentrant); ``floor_checkpoint``: both (whether recomputation could take a target
+  below the floor's peak);
 * ``ActCompression(memory_target=...)`` at targets spread from 2% above the floor's peak to
   above none's, at the checkpointing run's and the 2-bit run's peaks, and below the floor
   (which must fail at the first steps, naming the least reachable peak).
@@ -21,6 +22,7 @@ gave a higher final peak.
 
     python benchmarks/memory_target.py                     # every model, about 30 minutes on 2 cores
     python benchmarks/memory_target.py --models resnet18_cifar --steps 10
+    python benchmarks/memory_target.py --compile --models vit  # every run compiled (inductor)
 """
 
 from __future__ import annotations
@@ -117,10 +119,12 @@ class _Steps(L.Callback):
 
 
 def fit(name: str, steps: int, device: torch.device, data_dir: Path, callback: L.Callback | None = None,
-        checkpointed: bool = False) -> dict:
+        checkpointed: bool = False, compiled: bool = False) -> dict:
     gc.collect()  # the last run's cycles would be live tensors in this one's peaks
     workload = build(name, MODELS[name].batch, device, data_dir)
     task = _Task(workload, steps)
+    if compiled:  # the loss calls the compiled module; the task still owns the parameters
+        workload.model = torch.compile(workload.model)
     measured = _Steps(device, task)
     trainer = L.Trainer(max_steps=steps, accelerator=device.type, devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -145,24 +149,29 @@ class _nothing:
         return False
 
 
-def measure_model(name: str, steps: int, device: torch.device, data_dir: Path) -> dict:
-    none = fit(name, steps, device, data_dir)
-    floor = fit(name, steps, device, data_dir, ActCompression(bits=1))
-    bits2 = fit(name, steps, device, data_dir, ActCompression(bits=2))
-    checkpoint = fit(name, steps, device, data_dir, checkpointed=True)
+def measure_model(name: str, steps: int, device: torch.device, data_dir: Path, compiled: bool) -> dict:
+    def run_with(callback: L.Callback | None = None, checkpointed: bool = False) -> dict:
+        return fit(name, steps, device, data_dir, callback, checkpointed, compiled)
+
+    none = run_with()
+    floor = run_with(ActCompression(bits=1))
+    bits2 = run_with(ActCompression(bits=2))
+    checkpoint = run_with(checkpointed=True)
+    floor_checkpoint = run_with(ActCompression(bits=1), checkpointed=True)
     none_peak, floor_peak = none["peaks_mib"][-1], floor["peaks_mib"][-1]
     lowest = FLOOR_MARGIN * floor_peak
     spread = {round(max(floor_peak + share * (none_peak - floor_peak), lowest), 2) for share in SHARES}
     targets = sorted(spread | {round(max(run["peaks_mib"][-1], lowest), 2) for run in (checkpoint, bits2)})
     row = {"title": MODELS[name].title, "batch": MODELS[name].batch, "none": none, "floor": floor, "bits2": bits2,
-           "checkpoint": checkpoint, "targets": {}}
+           "checkpoint": checkpoint, "floor_checkpoint": floor_checkpoint, "targets": {}}
     for target in [round(0.9 * floor_peak, 2), *targets]:
-        run = fit(name, steps, device, data_dir, ActCompression(memory_target=int(target * MIB)))
+        run = run_with(ActCompression(memory_target=int(target * MIB)))
         peaks = run["peaks_mib"]
         run["every_step_fits"] = run["error"] is None and max(peaks) <= target
         run["steady_reaches_0.9"] = run["error"] is None and min(peaks[PLANNING_STEPS - 1:]) >= 0.9 * target
         row["targets"][f"{target:.2f}"] = run
-        logging.info("%s target %.1f MiB: %s%s", name, target, peaks, f" ({run['error'][:90]}...)" if run["error"] else "")
+        failed = f" ({run['error'][:90]}...)" if run["error"] else ""
+        logging.info("%s target %.1f MiB: %s%s", name, target, peaks, failed)
     finals = [run["peaks_mib"][-1] for run in row["targets"].values() if run["error"] is None]
     row["monotone"] = all(a <= b + 0.01 for a, b in zip(finals, finals[1:]))
     return row
@@ -176,7 +185,8 @@ def table(results: dict) -> str:
             f"none {row['none']['peaks_mib'][-1]:.1f} MiB ({row['none']['step_s']:.3f} s/step), every tensor at its "
             f"floor {row['floor']['peaks_mib'][-1]:.1f} MiB, 2 bits {row['bits2']['peaks_mib'][-1]:.1f} MiB "
             f"({row['bits2']['step_s']:.3f} s/step), checkpointing {row['checkpoint']['peaks_mib'][-1]:.1f} MiB "
-            f"({row['checkpoint']['step_s']:.3f} s/step); a lower target never a higher final peak: "
+            f"({row['checkpoint']['step_s']:.3f} s/step), every tensor at its floor with checkpointing "
+            f"{row['floor_checkpoint']['peaks_mib'][-1]:.1f} MiB; a lower target never a higher final peak: "
             f"{'yes' if row['monotone'] else 'no'}\n",
             "| target MiB | peak of each step, MiB | every step <= target | steps 4+ >= 0.9 target | s/step |",
             "|---:|---|---|---|---:|",
@@ -196,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=sorted(MODELS))
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--compile", action="store_true", help="every run under torch.compile (inductor)")
     parser.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -208,11 +219,13 @@ def main(argv: list[str] | None = None) -> None:
     results = {"command": "python benchmarks/memory_target.py " + " ".join(argv or sys.argv[1:]),
                "environment": environment(device), "commit": _git("rev-parse", "HEAD")[:12], "started": started,
                "models": {}}
-    out = args.out or REPO / "benchmarks" / "results" / f"memory_target_{device.type}.json"
+    mode = "_compiled" if args.compile else ""
+    out = args.out or REPO / "benchmarks" / "results" / f"memory_target{mode}_{device.type}.json"
     for name in args.models:
-        results["models"][name] = measure_model(name, args.steps, device, args.data_dir)
+        results["models"][name] = measure_model(name, args.steps, device, args.data_dir, args.compile)
         out.write_text(json.dumps(results, indent=1) + "\n")
-    report = (f"# Memory target, {device.type}\n\n`{results['command']}` on {results['environment']['device']}, {started}; "
+    title = f"# Memory target, {device.type}{', compiled' if args.compile else ''}"
+    report = (f"{title}\n\n`{results['command']}` on {results['environment']['device']}, {started}; "
               f"commit `{results['commit']}`. Every number below was measured in this run.\n" + table(results) + "\n")
     out.with_suffix(".md").write_text(report)
     print(report)

@@ -99,6 +99,10 @@ class MemoryTarget:
         if verdict is Verdict.MOVE:
             self.policy.update(self.sensitivity, self.capture.slots)
 
+    def close(self) -> None:
+        """Release the capture: the model runs as it did before."""
+        self.capture.close()
+
     def calibrate(self, loss_fn: Callable[[], torch.Tensor], inputs: Any = None) -> None:
         """Measure each saved tensor's sensitivity on a small batch (``loss_fn`` runs its
         forward and returns the loss; ``inputs`` are its tensors), and re-plan with it."""
