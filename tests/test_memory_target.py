@@ -40,6 +40,13 @@ def test_parse_memory_target_rejects(value):
         parse_memory_target(value)
 
 
+def test_compress_activations_points_a_target_to_memory_target():
+    from lightning_act import compress_activations
+
+    with pytest.raises(ValueError, match=r"memory_target='1GiB'.*MemoryTarget\(model, target\)"):
+        compress_activations(nn.Linear(2, 2), memory_target="1GiB")
+
+
 def test_callback_rejects_a_target_with_bits():
     with pytest.raises(ValueError, match="set one of bits, budget or memory_target"):
         ActCompression(bits=4, memory_target="1GiB")

@@ -1055,5 +1055,12 @@ def compress_activations(
     """
     if config is not None and settings:
         raise ValueError(f"pass either config or keyword settings, not both (got {sorted(settings)})")
+    if "memory_target" in settings:
+        # The block holds a forward; a target bounds the whole step and follows it from step to step.
+        raise ValueError(
+            f"memory_target={settings['memory_target']!r}: a memory target bounds a whole training step, which this "
+            "block does not hold; use lightning_act.MemoryTarget(model, target) and 'with target.step(inputs=x):' "
+            "around the forward, backward and optimizer step"
+        )
     capture = ActivationCapture(config or CompressionConfig(**settings), model)
     return _CaptureContext(capture, inputs, seed=None, close=True)
