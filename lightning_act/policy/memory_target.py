@@ -21,8 +21,11 @@ within the storage the target leaves, closed loop on the peak each step measures
 3. A step over the target (a longer sequence, a larger batch) moves the plan down by the
    excess; if the records alive at the peak are only part of them, a few steps are needed.
 
-Only bits move the peak here. Recomputation and offload of records are not options of this
-plan yet; blocks the user checkpoints are measured like anything else.
+Only bits move the peak here. Recomputation is not an option because it does not pay on
+top of compression: a recomputed block keeps its input whole and re-creates its activations
+uncompressed in backward, more than its records at their floor (``docs/results.md``, "A
+peak-memory target"). Blocks the user checkpoints are measured like anything else. Offload
+of records is not an option yet.
 """
 
 from __future__ import annotations
