@@ -224,9 +224,8 @@ class ActivationCapture:
         self._qualnames: dict[str, str] = {}
         self._state: tuple[Any, str] = (None, "")
         self._layout_optimization: bool | None = None  # inductor's, while this session turned it off
-        #: Whether a graph was compiled since the session started (its step's peak then holds
-        #: the compiler's own allocations).
-        self.compiled_in_session = False
+        self._planned_graph = False  # a graph was planned in this session
+        self._frames_at_start = 0  # frames dynamo had compiled when this session started
         self._filtering = "donated"  # torch's choice of the saves hooks see, outside sessions
         self._reset_session(seed=0)
 
@@ -254,7 +253,8 @@ class ActivationCapture:
         if self._active:
             raise RuntimeError("ActivationCapture.start() called twice without stop()")
         ActivationCapture._sessions_in_process += 1
-        self.compiled_in_session = False
+        self._planned_graph = False
+        self._frames_at_start = _frames_compiled()
         if seed is None:
             # Counted per process, not per capture: a plain ``with compress_activations()``
             # block per step makes a new capture each step, and must not repeat its noise.
@@ -350,12 +350,19 @@ class ActivationCapture:
         142.4 MiB eager, and 51.8 MiB at 2 bits instead of 9.5 MiB
         (``benchmarks/compiled.py``). ``TORCHINDUCTOR_LAYOUT_OPTIMIZATION=1`` keeps it on."""
         check_compiled_codecs(self.config, self.policy.rules)
-        self.compiled_in_session = True
+        self._planned_graph = True
         config = sys.modules.get("torch._inductor.config")
         if config is None or self._layout_optimization is not None or "TORCHINDUCTOR_LAYOUT_OPTIMIZATION" in os.environ:
             return
         self._layout_optimization = config.layout_optimization
         config.layout_optimization = False
+
+    @property
+    def compiled_in_session(self) -> bool:
+        """Whether a graph was compiled since the session started (its step's peak then holds
+        the compiler's work): planned here, or taken from torch's caches (dynamo still traced
+        a frame)."""
+        return self._planned_graph or _frames_compiled() != self._frames_at_start
 
     def external_storages(self) -> list[int]:
         """The storages (data pointers) marked as alive for the whole step."""
@@ -980,6 +987,12 @@ def _switch_around_compiled_calls(modules: list[nn.Module]) -> None:
 
         call._lightning_act_switch = True
         module._compiled_call_impl = call
+
+
+def _frames_compiled() -> int:
+    """Frames dynamo has compiled in this process (0 before it is imported)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else utils.counters["frames"]["total"]
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
