@@ -32,6 +32,7 @@ from lightning_act.ops import ensure_kernels
 from lightning_act.policy import AdaptiveBits, FixedBits
 from lightning_act.policy.bits import AllocatedBits
 from lightning_act.policy.memory_target import (
+    COMPILED_PLANS,
     COMPILED_SLOPE,
     MemoryTargetError,
     TargetBits,
@@ -250,6 +251,7 @@ class ActCompression(Callback):
             self.policy.target_bytes = parse_memory_target(self.memory_target, trainer.strategy.root_device)
             if _is_compiled(pl_module):
                 self.policy.slope = max(self.policy.slope, COMPILED_SLOPE)
+                self.policy.plans_left = COMPILED_PLANS
             if not self._step_peak.exact:
                 rank_zero_warn(
                     f"lightning_act: memory_target={self.memory_target!r} is met against the "

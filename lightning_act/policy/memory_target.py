@@ -17,7 +17,8 @@ within the storage the target leaves, closed loop on the peak each step measures
    fitted fits too, and each move closes a share of the gap, the share of the records alive
    at the peak. Under ``torch.compile`` the plan also changes what the partitioner saves,
    and a byte of plan can cost more: the slope starts higher there, and every move raises it
-   to what it measured.
+   to what it measured. Each new plan compiles the graphs again, so a compiled model makes
+   only a few (``COMPILED_PLANS``).
 3. A step over the target (a longer sequence, a larger batch) moves the plan down by the
    excess; if the records alive at the peak are only part of them, a few steps are needed.
 
@@ -51,6 +52,9 @@ COMPILED_SLOPE = 2.0
 MAX_SLOPE = 4.0
 #: A batch this much larger than the one the plan was measured at starts it again.
 BATCH_GROWTH = 1.25
+#: New plans a compiled model may make: with its first compile, half dynamo's default
+#: ``recompile_limit`` (8), leaving room for the model's own recompiles.
+COMPILED_PLANS = 3
 
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -167,6 +171,11 @@ class TargetBits(AllocatedBits):
         #: module), more where the plan changes what is saved (a compiled graph's partition).
         #: Raised to what a move measures.
         self.slope = float(slope)
+        #: New plans still allowed (None: any number). Under ``torch.compile`` each plan
+        #: compiles the graphs again, and dynamo compiles a frame at most ``recompile_limit``
+        #: times (8) before it runs it eagerly, where the saves are kept exact: measured on a
+        #: compiled ViT, past that a step at the floor peaked as high as no compression.
+        self.plans_left: int | None = None
         self._measured_steps = 0
         self._measured_total = 0.0
         # The last update left the plan as it was: the next step is not a reason to move again.
@@ -235,10 +244,15 @@ class TargetBits(AllocatedBits):
                 slot has an estimate yet, each value counts alike (noise ``S(b)`` per value).
             slots: every slot, with its size.
         """
+        if self.plans_left == 0:
+            self._stalled = True
+            return self.assignment
         before = self._measured_total
         planned = dict(self.assignment)
         assignment = super().update(_every_slot(variance, self._free(slots)), slots)
         self._stalled = assignment == planned
+        if self.plans_left is not None and not self._stalled:
+            self.plans_left -= 1
         if self.measured_peak is not None:
             after = sum(storage_bits(self._bits(k, slots[k]), slots[k].numel, slots[k].groups, slots[k].element_bits)
                         for k in self._measured_storage if k in slots)
