@@ -123,8 +123,11 @@ def fit(name: str, steps: int, device: torch.device, data_dir: Path, callback: L
     gc.collect()  # the last run's cycles would be live tensors in this one's peaks
     workload = build(name, MODELS[name].batch, device, data_dir)
     task = _Task(workload, steps)
-    if compiled:  # the loss calls the compiled module; the task still owns the parameters
-        workload.model = torch.compile(workload.model)
+    if compiled:  # as a user compiles a submodule: the LightningModule holds the compiled one
+        # Each run compiles a fresh model of the same code: past dynamo's recompile limit (8 per
+        # code object) it would run the later ones eagerly. Every run starts from empty caches.
+        torch._dynamo.reset()
+        task.model = workload.model = torch.compile(workload.model)
     measured = _Steps(device, task)
     trainer = L.Trainer(max_steps=steps, accelerator=device.type, devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -93,6 +93,7 @@ def test_target_loop_moves_down_and_says_when_the_floor_is_over():
     policy.update({}, slots)
     assert policy.predicted_peak <= 0.98 * 20 * MIB
     policy.restart()
+    assert policy.observe(21 * MIB, slots) is Verdict.FITS  # one step over at the floor decides nothing
     assert policy.observe(21 * MIB, slots) is Verdict.UNREACHABLE
 
 

@@ -6,8 +6,8 @@ target, :class:`TargetBits` chooses each compressible saved tensor's bits (its f
 within the storage the target leaves, closed loop on the peak each step measures:
 
 1. The first two steps (and the first two after a restart) run every tensor at its floor:
-   the least reachable peak. If that is over the target, the target cannot be met at this
-   batch (:attr:`Verdict.UNREACHABLE`). The first step allocates what later steps keep
+   the least reachable peak. If two steps in a row at the floor are over the target, it
+   cannot be met at this batch (:attr:`Verdict.UNREACHABLE`). The first step allocates what later steps keep
    (the optimizer's state, gradients held through the next forward), so its peak
    understates theirs: the plan moves from the second step's peak on.
 2. After a step under the target, the tensors may use ``(aim - measured) / slope`` more bytes
@@ -178,6 +178,7 @@ class TargetBits(AllocatedBits):
         self.plans_left: int | None = None
         self._measured_steps = 0
         self._measured_total = 0.0
+        self._floor_overs = 0  # steps in a row at the floor over the target
         # The last update left the plan as it was: the next step is not a reason to move again.
         self._stalled = False
         # The batch's bytes the plan is measured at (None: none yet).
@@ -202,6 +203,7 @@ class TargetBits(AllocatedBits):
         self._measured_storage = {}
         self._measured_steps = 0
         self._measured_total = 0.0
+        self._floor_overs = 0
         self._stalled = False
         self._planned_batch_bytes = None
 
@@ -219,8 +221,14 @@ class TargetBits(AllocatedBits):
         self._measured_storage, self._measured_total = storage_by_slot, storage
         floor = sum(storage_bits(s.min_bits, s.numel, s.groups, s.element_bits) for s in free.values())
         exact = sum(s.numel * s.element_bits for s in free.values())
+        if peak_bytes > self.target_bytes and storage > floor:
+            return Verdict.MOVE
         if peak_bytes > self.target_bytes:
-            return Verdict.UNREACHABLE if storage <= floor else Verdict.MOVE
+            # Two steps at the floor over the target, so that one step's own work (a compile,
+            # a first allocation of the optimizer's state) does not decide it alone.
+            self._floor_overs += 1
+            return Verdict.UNREACHABLE if self._floor_overs >= 2 else Verdict.FITS
+        self._floor_overs = 0
         if self._measured_steps < 2 or self._stalled:
             return Verdict.FITS
         if peak_bytes < LOW_WATER * self.target_bytes and storage < exact:
