@@ -33,7 +33,6 @@ from lightning_act.policy import AdaptiveBits, FixedBits
 from lightning_act.policy.bits import AllocatedBits
 from lightning_act.policy.memory_target import (
     COMPILED_PLANS,
-    COMPILED_SLOPE,
     MemoryTargetError,
     TargetBits,
     Verdict,
@@ -250,7 +249,6 @@ class ActCompression(Callback):
         if self.targeted:
             self.policy.target_bytes = parse_memory_target(self.memory_target, trainer.strategy.root_device)
             if _is_compiled(pl_module):
-                self.policy.slope = max(self.policy.slope, COMPILED_SLOPE)
                 self.policy.plans_left = COMPILED_PLANS
             if not self._step_peak.exact:
                 rank_zero_warn(
