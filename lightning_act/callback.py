@@ -29,8 +29,7 @@ from lightning_act.monitor import (
     storage_bytes,
 )
 from lightning_act.ops import ensure_kernels
-from lightning_act.policy import AdaptiveBits, FixedBits
-from lightning_act.policy.bits import AllocatedBits
+from lightning_act.policy import AdaptiveBits, AllocatedBits, FixedBits
 from lightning_act.policy.memory_target import (
     COMPILED_PLANS,
     MemoryTargetError,
@@ -75,12 +74,12 @@ class ActCompression(Callback):
 
     With ``memory_target`` set, the bits are chosen the same way within the storage that
     keeps each step's measured peak at or below the target
-    (:mod:`lightning_act.policy.memory_target`): the first step runs every tensor at its
+    (:mod:`lightning_act.policy.memory_target`): the first two steps run every tensor at its
     lowest bits, then the plan moves after each step by what the measured peak leaves, and
     the tensors' sensitivity is measured after the first step and every
     ``recalibrate_every_n_steps``. Logged every step: ``memory_target_mib`` and
-    ``predicted_peak_mib`` beside ``peak_mib``. A target the first step cannot meet raises
-    :class:`MemoryTargetError`, naming the least reachable peak and what occupies it; a
+    ``predicted_peak_mib`` beside ``peak_mib``. A target two steps at the lowest bits cannot
+    meet raises :class:`MemoryTargetError`, naming the least reachable peak and what occupies it; a
     larger batch starts the loop again from the lowest bits, so Lightning's
     ``BatchSizeFinder`` finds the largest batch that fits the target.
 
@@ -444,12 +443,10 @@ class ActCompression(Callback):
         training_ms = max((time.perf_counter() - self._fit_started) * 1e3, 1e-9)
         cost = {"recalibration_ms": elapsed_ms, "recalibration_pct": 100.0 * self.recalibration_ms / training_ms}
         self._pending_allocation = (trainer.global_step, sensitivity, cost)
-        widths = Counter(bits_name(bits) for bits in self.policy.assignment.values())
         rank_zero_info(
             f"lightning_act: recalibrated at step {trainer.global_step} in {elapsed_ms / 1e3:.1f} s "
             f"({cost['recalibration_pct']:.1f}% of the training time so far, recalibrations included); tensors per "
-            f"width: {', '.join(f'{n} at {w}' for w, n in sorted(widths.items(), key=lambda item: item[0]))}; "
-            f"next at step {self._next_calibration}"
+            f"width: {_per_width(self.policy.assignment)}; next at step {self._next_calibration}"
         )
 
     def _log_allocation(self, trainer: pl.Trainer, report: CompressionReport) -> None:
@@ -531,14 +528,12 @@ class ActCompression(Callback):
             planned = dict(self.policy.assignment)
             assignment = self.policy.update(self.sensitivity, self.capture.slots) if trainer.is_global_zero else None
             self.policy.assignment = dict(trainer.strategy.broadcast(assignment, src=0))
-        if verdict is Verdict.MOVE and self.policy.assignment != planned:
-            widths = Counter(bits_name(bits) for bits in self.policy.assignment.values())
-            rank_zero_info(
-                f"lightning_act: step {trainer.global_step} peaked at {peak / MIB:.1f} MiB against memory_target "
-                f"{self.policy.target_bytes / MIB:.1f} MiB; the plan moves to "
-                f"{', '.join(f'{n} at {w}' for w, n in sorted(widths.items()))} (predicted peak "
-                f"{(self.policy.predicted_peak or peak) / MIB:.1f} MiB)"
-            )
+            if self.policy.assignment != planned:
+                rank_zero_info(
+                    f"lightning_act: step {trainer.global_step} peaked at {peak / MIB:.1f} MiB against memory_target "
+                    f"{self.policy.target_bytes / MIB:.1f} MiB; the plan moves to {_per_width(self.policy.assignment)} "
+                    f"(predicted peak {(self.policy.predicted_peak or peak) / MIB:.1f} MiB)"
+                )
         if self.policy.all_exact_fits and not self._told_all_exact:
             self._told_all_exact = True
             rank_zero_info(
@@ -558,8 +553,7 @@ class ActCompression(Callback):
         if policy.all_exact_fits:
             return [f"memory target {policy.target_bytes / MIB:.2f} MiB: above the peak with every saved tensor exact; "
                     "nothing compressed"]
-        widths = Counter(bits_name(bits) for bits in policy.assignment.values())
-        chosen = ", ".join(f"{n} at {w}" for w, n in sorted(widths.items())) or "every tensor at its lowest bits"
+        chosen = _per_width(policy.assignment) or "every tensor at its lowest bits"
         measured = "not measured" if policy.measured_peak is None else f"{policy.measured_peak / MIB:.2f} MiB"
         return [
             f"memory target {policy.target_bytes / MIB:.2f} MiB: last step's peak {measured}; the plan: {chosen}, "
@@ -585,6 +579,12 @@ class ActCompression(Callback):
         self._restored_group_axes = dict(state_dict.get("group_axes", {}))
         if self.capture is not None:
             self.capture.group_orders.restore(self._restored_group_axes)
+
+
+def _per_width(assignment: Mapping[str, int | None]) -> str:
+    """``"3 at 2, 5 at 8, 1 at exact"``: how many tensors an assignment gives each width."""
+    widths = Counter(bits_name(bits) for bits in assignment.values())
+    return ", ".join(f"{n} at {w}" for w, n in sorted(widths.items()))
 
 
 def _this_hook_then(callback_hook, pl_module: pl.LightningModule, module_hook, *args) -> Any:

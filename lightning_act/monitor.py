@@ -49,6 +49,8 @@ class StepPeakMemory:
         self.device = device
         self._untracked = 0
         self._resident = device.type == "cpu" and _resident_high_water_mark() is not None and _reset_high_water_mark()
+        #: Whether the figure counts live tensors only.
+        self.exact = True
         if device.type == "cuda":
             self.source = "live tensors, torch.cuda.max_memory_allocated"
         elif device.type == "cpu" and _install_live_counter():
@@ -56,15 +58,9 @@ class StepPeakMemory:
             counts = torch.ops.lightning_act.live_memory_counts
             self._untracked = 0 if model is None else storage_bytes(
                 t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu" and not counts(t))
-        elif self._resident:
-            self.source = "resident high-water mark (VmHWM)"
         else:
-            self.source = None
-
-    @property
-    def exact(self) -> bool:
-        """Whether the figure counts live tensors only."""
-        return self.source is not None and self.source.startswith("live tensors")
+            self.exact = False
+            self.source = "resident high-water mark (VmHWM)" if self._resident else None
 
     def start(self) -> None:
         """Begin a step: the peak from now on."""

@@ -22,6 +22,7 @@ from lightning_act.policy.memory_target import (
     unreachable_message,
 )
 
+
 class MemoryTarget:
     """Keep every training step's peak at or under a target by choosing each saved tensor's
     bits, closed loop on the measured peak (see :mod:`lightning_act.policy.memory_target`).

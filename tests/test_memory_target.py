@@ -60,7 +60,7 @@ def _slots(count=4, numel=1 << 16):
 
 
 def _storage_bytes(policy, slots):
-    return sum(storage_bits(policy._bits(k, s), s.numel, s.groups, s.element_bits) for k, s in slots.items()) // 8
+    return sum(storage_bits(policy.bits_for(k, s), s.numel, s.groups, s.element_bits) for k, s in slots.items()) // 8
 
 
 def test_target_loop_moves_up_by_what_the_peak_leaves_and_never_past_it():

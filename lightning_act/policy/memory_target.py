@@ -204,8 +204,7 @@ class TargetBits(AllocatedBits):
     def observe(self, peak_bytes: int, slots: Mapping[str, SlotInfo]) -> Verdict:
         """Take the measured peak of a step run under the current plan."""
         free = self._free(slots)
-        storage_by_slot = {k: storage_bits(self._bits(k, s), s.numel, s.groups, s.element_bits)
-                           for k, s in free.items()}
+        storage_by_slot = {k: self._storage(k, s) for k, s in free.items()}
         storage = sum(storage_by_slot.values())
         added = (storage - self._measured_total) / 8
         if self.measured_peak is not None and added > 0.01 * self.target_bytes:
@@ -256,9 +255,8 @@ class TargetBits(AllocatedBits):
         if self.plans_left is not None and not self._stalled:
             self.plans_left -= 1
         if self.measured_peak is not None:
-            after = sum(storage_bits(self._bits(k, slots[k]), slots[k].numel, slots[k].groups, slots[k].element_bits)
-                        for k in self._measured_storage if k in slots)
-            self.predicted_peak = self.measured_peak + int(max(self.slope, 1.0) * (after - before) // 8)
+            after = sum(self._storage(k, slots[k]) for k in self._measured_storage if k in slots)
+            self.predicted_peak = self.measured_peak + int(self.slope * (after - before) // 8)
         return assignment
 
     def allowance(self, sizes: Mapping[str, tuple[int, int, int]], floors: Mapping[str, int]) -> float:
@@ -272,9 +270,9 @@ class TargetBits(AllocatedBits):
     def _free(self, slots: Mapping[str, SlotInfo]) -> dict[str, SlotInfo]:
         return {k: s for k, s in slots.items() if not self.pins_bits(s)}
 
-    def _bits(self, slot: str, info: SlotInfo) -> int | None:
-        bits = self.choose(slot)
-        return bits if bits is EXACT else max(bits, info.min_bits)
+    def _storage(self, slot: str, info: SlotInfo) -> int:
+        """Bits ``slot`` occupies under the current plan."""
+        return storage_bits(self.bits_for(slot, info), info.numel, info.groups, info.element_bits)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "target_bytes": self.target_bytes}
