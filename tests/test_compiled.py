@@ -921,6 +921,40 @@ def test_a_graph_that_saves_a_data_dependent_size_compiles_and_stores_its_tensor
     assert rel_err(grads_of(model), exact) < 1e-2
 
 
+class Clipped(nn.Module):
+    """Ops whose backward compares what they save with constants only: hardtanh's interval,
+    leaky_relu's sign, clamp's lower end."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(256))
+
+    def forward(self, x):
+        h = x * self.weight
+        return (F.leaky_relu(F.hardtanh(h, -0.5, 0.5) * 3, 0.1) + h.clamp(min=0.25).log()).sum()
+
+
+def test_a_tensor_a_graph_compares_only_with_constants_is_stored_as_its_cells():
+    """Decided by the same rule as eager: the cell each value falls in between the constants
+    (2 bits for one constant, 3 for two or three), so the gradient is bit for bit the exact
+    one, at a tenth of the bytes or less."""
+    model = seeded(Clipped)
+    x = torch.randn(64, 256)
+    model(x).backward()
+    exact = model.weight.grad.clone()
+    run = torch.compile(model, backend="aot_eager")
+    for _ in range(2):  # the first step plans and packs in Python, the second as every later one
+        model.zero_grad()
+        with compress_activations(model, inputs=x, bits=2, min_numel=1) as capture:
+            loss = run(x)
+        loss.backward()
+        assert torch.equal(model.weight.grad, exact)
+        memory = capture.report.modules["(compiled)"]
+        assert memory.outcomes["lossless"] == 1 and memory.codecs == {"cells"}
+        cells = memory.stored_bytes - 64 * 256 * 4  # the other save (the log's input, divided by) kept
+        assert cells in (64 * 256 * 2 // 8, 64 * 256 * 3 // 8)
+
+
 def mobile_block() -> nn.Sequential:
     """Convolutions, BatchNorm and the activations that follow it in mobile CNNs (Hardswish,
     SiLU): the compiled backward recomputes the activation from BatchNorm's input."""

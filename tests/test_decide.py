@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_act import ActivationCapture, CompressionConfig
-from lightning_act.capture.decide import Decision, Kind, decide, floor_bits, read_of, source_parameter
+from lightning_act.capture.decide import Decision, Kind, decide, read_of, source_parameter
 from lightning_act.capture.records import Layout
 from lightning_act.codecs import GroupQuantCodec
 from lightning_act.optrack import OpTracker, TrackedCall
@@ -586,9 +586,9 @@ def test_floors_follow_how_backward_reads_the_tensor():
     assert plain.min_bits == 1 and not plain.keeps_zeros
     # Saved outside any op (a custom autograd function, a checkpoint's block input): its
     # backward is unknown, so it gets the floor of a nonlinear use.
-    assert floor_bits(x, None, None) == 8
-    # The floor holds whatever kind results: a copy shared between saves must satisfy it.
-    assert decided(x, call("relu", x), min_numel=10**6) == Decision(Kind.KEEP, 2)
+    assert decided(x).min_bits == 8
+    # Too small to store: kept as it is, which serves any save of it exactly.
+    assert decided(x, call("relu", x), min_numel=10**6) == Decision(Kind.KEEP)
 
 
 def test_a_decision_is_a_value_that_repeats_with_its_inputs():

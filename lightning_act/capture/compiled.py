@@ -50,7 +50,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from lightning_act import ops
 from lightning_act.backward_reads import PointwiseDerivative, Read, Use, graph_reads, in_fresh_thread
 from lightning_act.capture.active import capturing_now, splitmix64
-from lightning_act.capture.decide import STATISTIC_RATIO, Decision, Kind, decide_saved_node
+from lightning_act.capture.decide import STATISTIC_RATIO, Decision, Kind, ThresholdCells, decide_saved_node
 from lightning_act.capture.group_order import candidate_axes
 from lightning_act.capture.records import unpack as unpack_eager
 from lightning_act.capture.report import Outcome, ReportDelta, SlotMemory
@@ -72,8 +72,8 @@ _EAGER, _KEPT, _PACKED = "eager", "kept", "packed"
 class Plan(NamedTuple):
     """How one saved node of a compiled graph is stored (baked into the graph as a string)."""
 
-    # "quant", "derivative" (a pointwise op's input: the graph packs its derivative), "mask"
-    # or "index" (integers in fewer bits, exact)
+    # "quant", "derivative" (a pointwise op's input: the graph packs its derivative), "mask",
+    # "index" (integers in fewer bits, exact) or "cells" (the cells between constants, exact)
     form: str
     bits: int
     group_size: int
@@ -97,6 +97,8 @@ class Plan(NamedTuple):
     #: "quant": the axis its groups run along, decided with the plan (``Decision.group_axis``:
     #: a BatchNorm input's batch axis), not surveyed; a third part records the matrices.
     axis: int | None = None
+    #: "cells": the constants backward compares the tensor with (:class:`ThresholdCells`).
+    cells: tuple[float, ...] | None = None
 
     @property
     def along_axis(self) -> bool:
@@ -148,7 +150,7 @@ class PackedSave(NamedTuple):
         delta = cls._carried(plan)
         saved = t.numel() * t.element_size()
         stored = sum(p.untyped_storage().nbytes() for p in parts)
-        if plan.form in ("mask", "index"):
+        if plan.form in _LOSSLESS_FORMS:
             delta.note(plan.module, Outcome.LOSSLESS, plan.op, saved, stored).codecs.add(plan.form)
             return cls(plan, delta, kept_alive, None)
         memory = delta.note(plan.module, Outcome.COMPRESSED, plan.op, saved, stored)
@@ -174,6 +176,8 @@ _PACKED_SAVES_KEPT = 1 << 14
 #: The C++ side's code of each plan form it packs (a derivative save packs as a quantized
 #: one and is decoded by a decoder of its own, registered with the derivative's inverse).
 _NATIVE_FORMS = {"quant": 0, "derivative": 0, "mask": 1, "index": 2}
+#: Forms stored exactly (the cells between constants are served by Python alone).
+_LOSSLESS_FORMS = frozenset({"mask", "index", "cells"})
 #: Sets of packed saves whose sum is kept (a few per graph: the steps' drains repeat).
 _DELTAS_KEPT = 256
 
@@ -243,6 +247,9 @@ def _restore(flat: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> 
     return torch.empty_strided(size, stride, dtype=flat.dtype, device=flat.device).copy_(flat.view(size))
 
 
+# A tensor's cells, by the constants and dtype of its plan (checked once per process).
+_cells_of = functools.lru_cache(maxsize=None)(ThresholdCells.of)
+
 # The library's kernels, resolved once (they run for every packed tensor of every step).
 _QUANTIZE_PACK = torch.ops.lightning_act.quantize_pack.default
 _UNPACK_DEQUANTIZE = torch.ops.lightning_act.unpack_dequantize.default
@@ -255,6 +262,9 @@ def _encode(x: torch.Tensor, plan: Plan, seed: int, axis: int | None = None) -> 
         return [pack_bit_fields(_flat(x).view(torch.uint8), 1, planar=True)]
     if plan.form == "index":
         return [IndexCodec().pack(_flat(x), 0, 0, value_range=plan.index_range).codes]
+    if plan.form == "cells":
+        cells = _cells_of(plan.cells, x.dtype)
+        return [IndexCodec().pack(cells.cell(_flat(x)), 0, 0, value_range=(0, cells.count - 1)).codes]
     if not plan.along_axis:
         return list(_QUANTIZE_PACK(_flat(x), plan.bits, plan.group_size, seed))
     # Groups along ``axis``: read as matrices of its size by the product of the later sizes,
@@ -346,6 +356,10 @@ def _decode(parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int
     elif plan.form == "index":
         width, offset = index_layout(*plan.index_range, dtype)
         flat = IndexTensor(parts[0], offset, width, torch.Size([numel]), dtype).unpack()
+    elif plan.form == "cells":
+        cells = _cells_of(plan.cells, dtype)
+        width, offset = index_layout(0, cells.count - 1, torch.uint8)
+        flat = cells.unpack(IndexTensor(parts[0], offset, width, torch.Size([numel]), torch.uint8))
     elif plan.form == "derivative":
         flat = plan.substitute().restore_quantized(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype)
     else:
@@ -461,9 +475,9 @@ class NativeSaves:
               kept_alive: bool = False) -> None:
         """After Python packed ``t`` by ``plan`` for ``capture`` (or, ``kept_alive``, handed it
         back unwritten): register what the C++ side can do alone from now on."""
-        if cls.owner is not capture:
-            return
         parsed = _parse(plan)
+        if cls.owner is not capture or parsed.form not in _NATIVE_FORMS:
+            return
         form, bits, offset = _NATIVE_FORMS[parsed.form], parsed.bits, 0
         if parsed.form == "index":
             bits, offset = index_layout(*parsed.index_range, t.dtype)
@@ -753,6 +767,8 @@ def _saves_cost(forward: fx.GraphModule, backward: fx.GraphModule, capture: Acti
         )
         if decision.kind is Kind.MASK:
             cost = 1
+        elif decision.kind is Kind.CELLS:
+            cost = (decision.cells.count - 1).bit_length()
         elif decision.kind is Kind.QUANTIZE:
             cost = max(bits, decision.min_bits)
         else:
@@ -1033,13 +1049,14 @@ class GraphPlan:
         decision = decide_saved_node(
             val, self._reads.get(node.name, Read(Use.EXACT)), op, consumers(node),
             min_numel=capture.config.min_numel, group_size=capture.config.group_size, statistic=is_statistic(node),
+            index_range=index_bound(node) if val.dtype in INDEX_DTYPES else None,
         )
         if decision.kind is Kind.MASK:
             return Plan("mask", 1, 0, module, "", op, 1), Outcome.LOSSLESS
-        if val.dtype in INDEX_DTYPES and val.numel() >= max(capture.config.min_numel, 1):
-            bound = index_bound(node)
-            if bound is not None and index_layout(*bound, val.dtype) is not None:
-                return Plan("index", 0, 0, module, "", op, 1, index_range=bound), Outcome.LOSSLESS
+        if decision.kind is Kind.INDEX and index_layout(*decision.value_range, val.dtype) is not None:
+            return Plan("index", 0, 0, module, "", op, 1, index_range=decision.value_range), Outcome.LOSSLESS
+        if decision.kind is Kind.CELLS:
+            return Plan("cells", 0, 0, module, "", op, 1, cells=decision.cells.thresholds), Outcome.LOSSLESS
         if decision.group_axis is not None and not isinstance(node.meta["val"].shape[decision.group_axis], int):
             # Its groups divide that axis's size times the later ones: another batch size
             # (``dynamic=True``) would move them across channels.

@@ -1,10 +1,13 @@
 """How one saved tensor must be stored, from what it is and from how backward reads it.
 
-:func:`decide` is every such rule in one place, and pure: it reads the tensor's dtype, shape,
-strides and autograd history and the call that saves it (from the
-:class:`~lightning_act.optrack.OpTracker`), never the capture's state. The capture engine
-dispatches on the :class:`Decision`; the rules (by module and op) and the policy then pick
-the codec and bits of a tensor decided :attr:`Kind.QUANTIZE`, never below its floor.
+:func:`decide_site` is every such rule in one place, eager or compiled, and pure: it decides
+from a :class:`SaveSite`, what the tensor is and how backward reads it, never from the
+capture's state. :func:`decide` reads the site off the eager call that saves a tensor (from
+the :class:`~lightning_act.optrack.OpTracker`), :func:`decide_saved_node` off a node of a
+compiled forward graph; each then lays the decision out for its path, and says where that
+path cannot store what was decided. The capture engine and the graph plans dispatch on the
+:class:`Decision`; the rules (by module and op) and the policy then pick the codec and bits
+of a tensor decided :attr:`Kind.QUANTIZE`, never below its floor.
 
 How backward reads a saved float tensor is not looked up in a list of ops: it is read off
 the backward of the call that saves it, traced once per call signature
@@ -89,7 +92,7 @@ In full, by what the tensor is:
   ``min_numel`` the group statistics and the per-tensor work cost more than the bits saved;
 * the input of a normalisation that scales each row by its own 1 / std is quantized in
   groups that never span two rows: LayerNorm, RMSNorm, GroupNorm and InstanceNorm rows are
-  runs of memory (:func:`normalized_row`); BatchNorm's rows are channels, laid out
+  runs of memory (:class:`Normalized`); BatchNorm's rows are channels, laid out
   channel-major for the codec where a channel's values are not runs of whole groups.
 
 ``rules`` may raise any tensor's bits or keep it exact; the floors hold under every rule
@@ -108,6 +111,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lightning_act.backward_reads import ATTENTION_MASK, Match, PointwiseDerivative, Read, Use, call_reads
 from lightning_act.capture.records import Layout
@@ -128,11 +132,13 @@ __all__ = [
     "MinusInfinityStandIn",
     "Kind",
     "STATISTIC_RATIO",
+    "Normalized",
+    "SaveSite",
     "decide",
     "decide_saved_node",
-    "floor_bits",
-    "normalized_row",
+    "decide_site",
     "read_of",
+    "site_of_call",
     "source_parameter",
 ]
 
@@ -292,6 +298,12 @@ class ThresholdCells(NamedTuple):
         value of its own in that dtype (constants one rounding apart, or not finite)."""
         if not thresholds or not all(math.isfinite(c) for c in thresholds):
             return None
+        # Worked out on real CPU tensors, also while a graph is traced under fake tensors.
+        with unset_fake_temporarily():
+            return ThresholdCells._work_out(thresholds, dtype)
+
+    @staticmethod
+    def _work_out(thresholds: tuple[float, ...], dtype: torch.dtype) -> ThresholdCells | None:
         constants = torch.tensor(sorted(set(thresholds)), dtype=torch.float64).to(dtype)
         if constants.unique().numel() != len(set(thresholds)):
             return None  # two constants the same in this dtype: their comparisons differ
@@ -517,13 +529,11 @@ def _history_reaches(node, target) -> bool:
     return False
 
 
-def normalized_row(t: torch.Tensor, call: TrackedCall | None) -> int | None:
-    """Values per row that ``call`` normalises on its own, when ``t`` is its contiguous
-    input and those rows are runs of memory: LayerNorm's and RMSNorm's last dimensions (and
-    the last dimension of RMSNorm written out), one GroupNorm group, one InstanceNorm plane.
-    None otherwise (BatchNorm's channels are strided, not runs)."""
-    if call is None or not t.is_contiguous():
-        return None
+def _normalization_row(t: torch.Tensor, call: TrackedCall) -> int | None:
+    """Values per row that ``call`` normalises on its own, when ``t`` is its input:
+    LayerNorm's and RMSNorm's last dimensions (and the last dimension of RMSNorm written
+    out), one GroupNorm group, one InstanceNorm plane. None otherwise (BatchNorm's rows are
+    its channels: :func:`_batch_norm_row`)."""
     if call.name in _SCALING_OPS:
         return t.shape[-1] if _is_scaled_by_own_row_factor(t, call) else None
     if call.name not in _ROW_NORMALIZING_OPS:
@@ -608,7 +618,7 @@ def _normalizes_short_rows(call: TrackedCall) -> bool:
     if (not isinstance(first, torch.Tensor) or not first.is_floating_point() or first.layout != torch.strided
             or first.is_nested):
         return False
-    row = normalized_row(first, call)
+    row = _normalization_row(first, call)
     if row is None:
         row = _batch_norm_row(first, call)
     return row is not None and row < MIN_GROUP_SIZE
@@ -637,15 +647,6 @@ def _batch_norm_row(t: torch.Tensor, call: TrackedCall | None) -> int | None:
     return t.numel() // max(t.shape[1], 1)
 
 
-def _is_channel_normalized(t: torch.Tensor, call: TrackedCall | None, group_size: int) -> bool:
-    """Whether ``t`` is BatchNorm's input and its groups, in memory order, would span
-    channels: its channels (dimension 1) are not runs of whole groups (small maps, such as
-    1x1 or 7x7, or channels-last memory)."""
-    if _batch_norm_row(t, call) is None or t.shape[1] < 2:
-        return False
-    return not (t.is_contiguous() and math.prod(t.shape[2:]) % group_size == 0)
-
-
 def read_of(t: torch.Tensor, call: TrackedCall | None) -> Read | None:
     """How the backward of ``call`` reads ``t``, its save number ``call.saves``: from the
     traced backward of the call (:func:`~lightning_act.backward_reads.call_reads`). None when
@@ -663,22 +664,6 @@ def read_of(t: torch.Tensor, call: TrackedCall | None) -> Read | None:
     if call.saves >= len(saves) or saves[call.saves] != (t.dtype, t.dim()):
         return None
     return reads[call.saves]
-
-
-def floor_bits(t: torch.Tensor, call: TrackedCall | None, read: Read | None) -> int:
-    """The fewest bits a saved float tensor may get from how backward reads it."""
-    if call is None:
-        return _UNKNOWN_USE_BITS
-    if call.name in _ZERO_EXACT_OPS:
-        return 2
-    if call.name in _SOFTMAX_OPS:
-        return _NONLINEAR_BITS
-    if call.name in BATCH_NORM_OPS and _is_first_argument(t, call):
-        return 1
-    floor = _FLOORS.get(read.use, _NONLINEAR_BITS) if read is not None else _NONLINEAR_BITS
-    if _is_scaled_by_own_row_factor(t, call):
-        floor = max(floor, _QUADRATIC_BITS)
-    return floor
 
 
 def _is_pointwise_input(t: torch.Tensor, call: TrackedCall) -> bool:
@@ -706,6 +691,124 @@ def _dropout_keep_probability(call: TrackedCall) -> float:
     return 1.0 - float(p)
 
 
+class Normalized(NamedTuple):
+    """A normalisation reads the saved tensor as its input, one row at a time."""
+
+    #: Values per row it normalises on its own: a LayerNorm token, one GroupNorm group, one
+    #: InstanceNorm plane, one BatchNorm channel over the batch and the map.
+    row: int
+    #: BatchNorm: its rows are channels, strided in memory, and long (no floor; see the notes).
+    channels: bool = False
+
+
+class SaveSite(NamedTuple):
+    """What the decision about one saved tensor depends on. Read off the eager call that
+    saves it (:func:`decide`) or off a node of a compiled forward graph
+    (:func:`decide_saved_node`), and decided from by :func:`decide_site` alone: one rule for
+    both paths. Only what a path cannot store differs, and the path's reader says why."""
+
+    dtype: torch.dtype
+    #: Values a codec would store (a broadcast view's once).
+    numel: int
+    #: The path can lay it out densely (no two indices on one element it cannot store once).
+    laid_out: bool
+    contiguous: bool
+    #: How backward reads it; None where no op is seen saving it, or its backward was not read.
+    read: Read | None
+    #: An op was seen saving it (False: ``ctx.save_for_backward`` of a custom autograd function).
+    seen: bool = True
+    #: ReLU's output: the quantizer keeps its zeros, and so every comparison with 0.
+    zero_exact: bool = False
+    #: Softmax's output.
+    softmax: bool = False
+    #: The input of a normalisation.
+    normalized: Normalized | None = None
+    #: Saved by a normalisation over rows too short for groups of their own.
+    short_rows: bool = False
+    #: A reduction statistic of its op (a normalisation's mean and 1 / std, a logsumexp).
+    statistic: bool = False
+    #: Hand rules: read only for its sign, or for lying inside ``interval``.
+    sign_only: bool = False
+    interval: tuple[float, float] | None = None
+    #: Dropout's noise on the CPU: the keep probability its mask is divided by.
+    dropout_keep: float | None = None
+    #: An integer tensor: the bound its op implies, where it does; whether its range may be
+    #: measured instead (on the CPU: no device synchronisation).
+    index_range: tuple[int, int] | None = None
+    measures_range: bool = False
+
+
+def decide_site(site: SaveSite, *, min_numel: int) -> Decision:
+    """How to store a saved tensor that is neither a parameter nor alive anyway: every rule
+    of the module notes, from ``site`` alone. The kind, the floor and the form a lossless
+    copy takes; the path lays a stored tensor out (eager: :attr:`Decision.layout`, a graph:
+    its plan)."""
+    stored = site.laid_out and site.numel >= max(min_numel, 1)
+    if site.dtype == torch.bool:
+        return Decision(Kind.MASK if stored else Kind.KEEP)
+    if site.dtype in INDEX_DTYPES:
+        if not stored or (site.index_range is None and not site.measures_range):
+            return Decision(Kind.KEEP)  # a device synchronisation, or an opaque byte buffer
+        return Decision(Kind.INDEX, value_range=site.index_range)
+    if site.dtype not in FLOAT_DTYPES or site.short_rows:
+        return Decision(Kind.KEEP)
+    read = site.read
+    if read is None:
+        if site.seen:
+            return _exact(site)  # backward unseen: kept exact
+        return Decision(Kind.QUANTIZE, _UNKNOWN_USE_BITS) if stored else Decision(Kind.KEEP)
+    if read.match is not None and stored and site.contiguous:
+        return Decision(Kind.MATCH, match=read.match)
+    if site.zero_exact and read.thresholds == (0.0,) and (read.use is Use.REGION or read.value_use is not None):
+        floor = max(2, _FLOORS[read.value_use or Use.LINEAR])  # ReLU's output: see _ZERO_EXACT_OPS
+    elif read.use >= Use.SINGULAR:
+        return _exact(site)  # read exactly, or divided by
+    elif site.dropout_keep is not None:
+        return Decision(Kind.SIGN_MASK, divisor=site.dropout_keep) if stored else Decision(Kind.KEEP)
+    elif read.use is Use.REGION:
+        # A mask keeps the comparisons only where they are the ones the op's hand rule names;
+        # any others, the cells between the constants.
+        if not stored:
+            return Decision(Kind.KEEP)
+        if site.sign_only and read.thresholds == (0.0,):
+            return Decision(Kind.SIGN_MASK)
+        if site.interval is not None and set(read.thresholds) <= set(site.interval):
+            return Decision(Kind.SIGN_MASK, interval=site.interval)
+        cells = ThresholdCells.of(read.thresholds, site.dtype)
+        if cells is None or cells.count > _MOST_CELLS:
+            return Decision(Kind.KEEP)
+        return Decision(Kind.CELLS, cells=cells)
+    elif read.derivative is not None:
+        # h(x) stored in place of x: backward is linear in it, so unbiased at any bits.
+        return Decision(Kind.QUANTIZE, _FLOORS[read.use], substitute=read.derivative) if stored else _exact(site)
+    elif site.normalized is not None and site.normalized.channels and read.use >= Use.SMOOTH:
+        # Normalised, then put through a nonlinearity backward recomputes from it (a compiled
+        # ReLU or Hardswish after BatchNorm): rounding moves values across its kinks, a bias
+        # at any width.
+        return Decision(Kind.KEEP)
+    elif site.softmax:
+        floor = _NONLINEAR_BITS
+    elif site.normalized is not None and site.normalized.channels:
+        floor = 1
+    else:
+        floor = _FLOORS[read.use]
+    if not stored:
+        return Decision(Kind.KEEP)
+    if site.statistic:
+        return Decision(Kind.STATISTIC)
+    if site.normalized is not None and not site.normalized.channels:
+        floor = max(floor, _QUADRATIC_BITS)  # a row's noise times its 1 / std, twice
+    substitute = None
+    if read.use is Use.SMOOTH and read.reason in _EXPONENTIATING:
+        substitute = _MINUS_INFINITY_STAND_IN
+    return Decision(Kind.QUANTIZE, floor, keeps_zeros=site.zero_exact, substitute=substitute)
+
+
+def _exact(site: SaveSite) -> Decision:
+    return Decision(Kind.STATISTIC if site.statistic else Kind.KEEP)
+
+
+# ------------------------------------------------------------------------------ eager calls
 def decide(
     t: torch.Tensor, call: TrackedCall | None, *, external: bool, min_numel: int, group_size: int = 256,
     unseen: bool = False, decided: dict | None = None,
@@ -756,116 +859,84 @@ def decide(
 def _decide_from_call(t: torch.Tensor, call: TrackedCall | None, min_numel: int, group_size: int) -> Decision:
     """The decision for a tensor that is neither a parameter nor alive anyway: from the
     call's signature, the save's position and the tensor's dtype, shape and strides alone."""
-    floating = t.is_floating_point()
-    op = None if call is None else call.name
-    if floating:
-        if t.dtype not in FLOAT_DTYPES:
-            return Decision(Kind.KEEP)  # float64: no codec takes it
-        if call is not None and _normalizes_short_rows(call):
-            return Decision(Kind.KEEP)
-        read = read_of(t, call)
-        if read is not None and read.match is not None and t.is_contiguous() and t.numel() >= max(min_numel, 1):
-            return Decision(Kind.MATCH, match=read.match)
-        if call is not None and (read is None or read.use >= Use.SINGULAR):
-            # Backward unseen, reading it exactly, or dividing by it: kept exact.
-            return Decision(Kind.STATISTIC if _is_statistic(t, call) else Kind.KEEP)
-        min_bits = floor_bits(t, call, read)
-        interval = _interval(t, call)
-        if op in _DROPOUT_OPS:
-            kind = Kind.SIGN_MASK
-        elif read is not None and read.use is Use.REGION:
-            # A mask codec keeps the comparisons only where they are the ones the op's hand
-            # rule names; any other comparison with constants stays exact.
-            if op in _ZERO_EXACT_OPS and read.thresholds == (0.0,):
-                kind = Kind.QUANTIZE  # zeros kept exact: see _ZERO_EXACT_OPS
-            elif (op in _SIGN_ONLY_OPS and read.thresholds == (0.0,)) or (
-                interval is not None and set(read.thresholds) <= set(interval)
-            ):
-                kind = Kind.SIGN_MASK
-            else:
-                cells = ThresholdCells.of(read.thresholds, t.dtype)
-                if cells is None or cells.count > _MOST_CELLS:
-                    return Decision(Kind.KEEP, min_bits)
-                kind = Kind.CELLS
-        else:
-            kind = Kind.QUANTIZE
-    elif t.dtype == torch.bool:
-        kind, min_bits, read = Kind.MASK, 1, None
-    elif t.dtype in INDEX_DTYPES:
-        min_bits, read = 1, None
-        value_range = saved_index_range(call, t)
-        if value_range is None and t.element_size() == 1:
-            return Decision(Kind.KEEP, min_bits)  # an opaque byte buffer: see _OPAQUE_BYTES
-        if value_range is None and t.device.type != "cpu":
-            # Measuring the range would read it back to the host: a synchronisation per tensor.
-            return Decision(Kind.KEEP, min_bits)
-        kind = Kind.INDEX
-    else:
-        return Decision(Kind.KEEP)
     layout = Layout.of(t)
-    if layout is None or layout.numel < max(min_numel, 1):  # empty: nothing to store
-        return Decision(Kind.KEEP, min_bits)
+    site = site_of_call(t, call, layout)
+    decision = decide_site(site, min_numel=min_numel)
+    if decision.kind in (Kind.KEEP, Kind.STATISTIC, Kind.MATCH):
+        return decision
     if call is None:
         # Saved outside any call (a custom autograd function's, a graph's that eager hooks see): its
         # backward may rely on the strides it saved (inductor asserts them), so a view copied
         # dense comes back with its own.
         layout = layout.with_strides(t)
-    if kind is Kind.QUANTIZE:
-        if call is not None and _is_statistic(t, call):
-            return Decision(Kind.STATISTIC, min_bits)
-        row, row_layout = normalized_row(t, call), layout
-        if row is None and _is_channel_normalized(t, call, group_size):
-            # Each channel one run, so that groups can stay within a channel.
-            row, row_layout = t.numel() // t.shape[1], Layout.channel_major(t)
-        row_group = None
-        if row is not None and row % group_size:
-            row_group, padded_row = _row_grouping(row, group_size, max(min_bits, 2))
-            if padded_row != row:
-                row_layout = row_layout.with_padded_rows(t, row, padded_row)
-        substitute = None
-        if read is not None and read.derivative is not None:
-            substitute = read.derivative
-        elif read is not None and read.use is Use.SMOOTH and read.reason in _EXPONENTIATING:
-            substitute = _MINUS_INFINITY_STAND_IN
-        return Decision(
-            kind,
-            min_bits,
-            keeps_zeros=op in _ZERO_EXACT_OPS,
-            layout=layout,
-            row_group=row_group,
-            row_layout=row_layout if row_group is not None else None,
-            substitute=substitute,
-        )
-    if kind is Kind.INDEX:
-        return Decision(kind, min_bits, value_range=value_range, layout=layout)
-    if kind is Kind.CELLS:
-        return Decision(kind, min_bits, cells=cells, layout=layout)
-    if kind is Kind.SIGN_MASK and op in _DROPOUT_OPS:
-        return Decision(kind, min_bits, divisor=_dropout_keep_probability(call), layout=layout)
-    if kind is Kind.SIGN_MASK:
-        return Decision(kind, min_bits, interval=interval, layout=layout)
-    return Decision(kind, min_bits, layout=layout)
+    if decision.kind is not Kind.QUANTIZE or site.normalized is None:
+        return decision._replace(layout=layout)
+    # A normalisation's input in groups within its rows: runs of memory, or each channel one
+    # run (BatchNorm, where its channels are not runs of whole groups).
+    row, row_layout = site.normalized.row if site.normalized is not None and t.is_contiguous() else None, layout
+    if site.normalized is not None and site.normalized.channels:
+        row = None
+        if t.shape[1] >= 2 and not (t.is_contiguous() and math.prod(t.shape[2:]) % group_size == 0):
+            row, row_layout = site.normalized.row, Layout.channel_major(t)
+    row_group = None
+    if row is not None and row % group_size:
+        row_group, padded_row = _row_grouping(row, group_size, max(decision.min_bits, 2))
+        if padded_row != row:
+            row_layout = row_layout.with_padded_rows(t, row, padded_row)
+    return decision._replace(layout=layout, row_group=row_group,
+                             row_layout=row_layout if row_group is not None else None)
 
 
+def site_of_call(t: torch.Tensor, call: TrackedCall | None, layout: Layout | None) -> SaveSite:
+    """What :func:`decide_site` needs to know of ``t``, saved by ``call``."""
+    numel = t.numel() if layout is None else layout.numel
+    contiguous = t.is_contiguous()
+    if call is None:
+        return SaveSite(t.dtype, numel, layout is not None, contiguous, None, seen=False)
+    floating = t.is_floating_point()
+    if not floating:
+        return SaveSite(t.dtype, numel, layout is not None, contiguous, None,
+                        index_range=saved_index_range(call, t),
+                        measures_range=t.device.type == "cpu" and t.element_size() > 1)
+    normalized = None
+    row = _normalization_row(t, call)
+    if row is not None:
+        normalized = Normalized(row)
+    elif (channel := _batch_norm_row(t, call)) is not None:
+        normalized = Normalized(channel, channels=True)
+    return SaveSite(
+        t.dtype, numel, layout is not None, contiguous, read_of(t, call),
+        zero_exact=call.name in _ZERO_EXACT_OPS,
+        softmax=call.name in _SOFTMAX_OPS,
+        normalized=normalized,
+        short_rows=_normalizes_short_rows(call),
+        statistic=_is_statistic(t, call),
+        sign_only=call.name in _SIGN_ONLY_OPS,
+        interval=_interval(t, call),
+        dropout_keep=_dropout_keep_probability(call) if call.name in _DROPOUT_OPS else None,
+    )
 
-# ---------------------------------------------------------------- compiled graphs' saves
+
+# ----------------------------------------------------------------------- compiled graphs
 # The aten ops (in a compiled forward) that normalise each row of their input on its own,
 # with the rows of their first argument: LayerNorm's last dimension, one GroupNorm group.
 _GRAPH_ROW_NORMALIZING_OPS = frozenset({"native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm"})
 _GRAPH_GROUP_NORMALIZING_OPS = frozenset({"native_group_norm", "group_norm"})
 
 
-def _graph_row(val: torch.Tensor, consumers: dict[str, tuple]) -> int | None:
-    """Values per row a normalisation reading ``val`` normalises on its own (the compiled
-    counterpart of :func:`normalized_row`): the last dimension for LayerNorm and RMSNorm,
-    one group's channels and map for GroupNorm."""
+def _graph_normalization(val: torch.Tensor, consumers: dict[str, tuple]) -> Normalized | None:
+    """How a normalisation reading ``val`` in a compiled forward groups it: the last dimension
+    for LayerNorm and RMSNorm, one group's channels and map for GroupNorm, a channel for
+    BatchNorm."""
     if consumers.keys() & _GRAPH_ROW_NORMALIZING_OPS and val.dim() >= 1:
-        return int(val.shape[-1])
+        return Normalized(int(val.shape[-1]))
     for name in consumers.keys() & _GRAPH_GROUP_NORMALIZING_OPS:
         arguments = consumers[name]
-        groups = arguments[6] if len(arguments) > 6 else None
+        groups = arguments[6] if len(arguments) > 6 else None  # native_group_norm's group
         if isinstance(groups, int) and val.dim() >= 2 and groups >= 1 and int(val.shape[1]) % groups == 0:
-            return int(val.shape[1]) // groups * math.prod(int(s) for s in val.shape[2:])
+            return Normalized(int(val.shape[1]) // groups * math.prod(int(s) for s in val.shape[2:]))
+    if consumers.keys() & BATCH_NORM_OPS and val.dim() >= 2:
+        return Normalized(int(val.numel()) // max(int(val.shape[1]), 1), channels=True)
     return None
 
 
@@ -882,10 +953,10 @@ def _overlaps(val: torch.Tensor) -> bool:
 
 def decide_saved_node(
     val: object, read: Read, producer: str | None, consumers: dict[str, tuple], *, min_numel: int, group_size: int,
-    statistic: bool = False,
+    statistic: bool = False, index_range: tuple[int, int] | None = None,
 ) -> Decision:
-    """How to store a tensor a compiled forward saves: the counterpart of :func:`decide` for
-    a node of a compiled graph, by the same floors and hand rules.
+    """How to store a tensor a compiled forward saves: :func:`decide_site` on what the graph
+    shows of it, laid out as a graph's plan can store it.
 
     Args:
         val: the node's fake value.
@@ -896,74 +967,69 @@ def decide_saved_node(
             the op that saves an input (BatchNorm's, LayerNorm's).
         min_numel: smaller tensors are kept as they are.
         group_size: the quantizer's group size.
-        statistic: the node is a reduction statistic of its op (a normalisation's 1 / std):
-            kept exact, as eager keeps it.
+        statistic: the node is a reduction statistic of its op (a normalisation's 1 / std).
+        index_range: an integer node's bound, where the graph implies one
+            (:func:`~lightning_act.capture.compiled.index_bound`).
 
-    Integer tensors are kept (the compiled graph saves parameters only where they are alive
-    anyway). A pointwise op's input is stored as its derivative, as in eager; the ``-inf``
-    stand-in is eager's alone (such a tensor is read through an exponential: 8 bits), so a
-    fused attention's mask, ``-inf`` wherever it masks, is kept.
+    What a graph's plan cannot store, and so keeps:
+
+    * the outcome of an equality test: its other side is computed from the call's other
+      saves, and a graph's pack op sees one tensor;
+    * the ``-inf`` stand-in's mask (a second record per tensor): a tensor read through an
+      exponential is quantized at 8 bits, and a fused attention's float mask, ``-inf``
+      wherever it masks, is kept;
+    * a pointwise op's derivative with no source code to rebuild it in another process:
+      the input itself at 8 bits;
+    * a normalisation's rows that are not runs of whole groups (eager pads them): kept.
+
+    A sign or interval mask is stored as the cells between its constants (2 or 3 bits).
     """
     if not isinstance(val, torch.Tensor) or val.layout != torch.strided or val.is_nested:
         return Decision(Kind.KEEP)
-    numel = int(val.numel())
-    if numel < max(min_numel, 1):
+    normalized = _graph_normalization(val, consumers) if val.dtype in FLOAT_DTYPES else None
+    site = SaveSite(
+        val.dtype, int(val.numel()), not _overlaps(val), val.is_contiguous(), read,
+        zero_exact=producer in _ZERO_EXACT_OPS,
+        softmax=producer in _SOFTMAX_OPS,
+        normalized=normalized,
+        short_rows=normalized is not None and normalized.row < MIN_GROUP_SIZE,
+        statistic=statistic,
+        index_range=index_range,
+    )
+    decision = decide_site(site, min_numel=min_numel)
+    if decision.kind is Kind.MATCH:
         return Decision(Kind.KEEP)
-    if _overlaps(val):
-        return Decision(Kind.KEEP)  # its dense copy would be larger (a view with gaps is copied)
-    if val.dtype == torch.bool:
-        return Decision(Kind.MASK, 1)
-    if val.dtype not in FLOAT_DTYPES:
-        return Decision(Kind.KEEP)
-    if statistic:
-        return Decision(Kind.STATISTIC)
-    use = read.use
-    channel_group = channel_axis = None
-    if consumers.keys() & BATCH_NORM_OPS and val.dim() >= 3:
-        # BatchNorm normalises each channel on its own: a group spanning channels would put a
-        # loud channel's rounding noise into a near-constant one, whose 1 / std multiplies it
-        # (timm RepVGG's identity branch reads a ReLU output: 8-bit error 0.098). Groups stay
-        # within one sample's map of a channel, in memory order. A map too small for a group
-        # of its own (2 x 2, 7 x 7, 14 x 14) is read channel-major instead, as eager lays it
-        # out: down the batch axis of (batch, channels * map) matrices, where a channel's
+    if decision.kind is Kind.SIGN_MASK:
+        cells = ThresholdCells.of(decision.interval or (0.0,), val.dtype)
+        return Decision(Kind.KEEP) if cells is None else Decision(Kind.CELLS, cells=cells)
+    if decision.kind is not Kind.QUANTIZE:
+        return decision
+    substitute = decision.substitute
+    if isinstance(substitute, PointwiseDerivative):
+        if substitute.source is not None:
+            return decision
+        decision = decision._replace(min_bits=_NONLINEAR_BITS, substitute=None)
+    elif substitute is not None:
+        if read.reason == ATTENTION_MASK:
+            return Decision(Kind.KEEP)
+        decision = decision._replace(substitute=None)
+    if normalized is None:
+        return decision
+    if normalized.channels:
+        if val.dim() < 3:
+            return decision
+        # Groups within one sample's map of a channel, in memory order. A map too small for a
+        # group of its own (2 x 2, 7 x 7, 14 x 14) is read channel-major instead, as eager lays
+        # it out: down the batch axis of (batch, channels * map) matrices, where a channel's
         # values of every sample follow each other. Channels-last memory is kept.
         plane = math.prod(int(s) for s in val.shape[2:]) if val.is_contiguous() else 0
-        channel_group = min(plane & -plane, group_size)
-        if channel_group < MIN_GROUP_SIZE and plane > 0 and val.shape[0] > 1:
+        row_group, axis = min(plane & -plane, group_size), None
+        if row_group < MIN_GROUP_SIZE and plane > 0 and val.shape[0] > 1:
             channel = int(val.shape[0]) * plane
-            channel_group, channel_axis = min(channel & -channel, group_size), 0
-        if channel_group < MIN_GROUP_SIZE:
-            return Decision(Kind.KEEP)
-    keeps_zeros = producer in _ZERO_EXACT_OPS
-    if keeps_zeros and read.thresholds == (0.0,) and (use is Use.REGION or read.value_use is not None):
-        # ReLU's output: the quantizer keeps its zeros, and so every comparison with 0.
-        floor = max(2, _FLOORS[read.value_use or Use.LINEAR])
-    elif use >= Use.SINGULAR or use is Use.REGION or read.reason == ATTENTION_MASK:
-        return Decision(Kind.KEEP)
-    elif read.derivative is not None and read.derivative.source is not None:
-        return Decision(Kind.QUANTIZE, 1, substitute=read.derivative)
-    elif read.derivative is not None:
-        floor = _NONLINEAR_BITS  # a derivative the plan cannot carry
-    elif producer in _SOFTMAX_OPS:
-        floor = _NONLINEAR_BITS
-    elif consumers.keys() & BATCH_NORM_OPS:
-        if read.use >= Use.SMOOTH:
-            # Normalised, then put through a nonlinearity that backward recomputes (a ReLU
-            # or Hardswish after BatchNorm): rounding moves values across its kinks, a bias
-            # at any width. Kept, which makes the partitioner save that nonlinearity's
-            # result instead where that costs less (CheaperSaves).
-            return Decision(Kind.KEEP)
-        floor = 1
-        if val.dim() >= 2 and numel // max(int(val.shape[1]), 1) < MIN_GROUP_SIZE:
-            return Decision(Kind.KEEP)  # BatchNorm's channels too short: see decide
+            row_group, axis = min(channel & -channel, group_size), 0
     else:
-        floor = _FLOORS[use]
-    row_group = channel_group  # set: no survey (a group axis surveyed would run across channels)
-    row = _graph_row(val, consumers)
-    if row is not None:
         # Groups within rows: the largest power of two dividing a row, up to group_size.
-        row_group, channel_axis = min(row & -row, group_size), None
-        if row_group < MIN_GROUP_SIZE:
-            return Decision(Kind.KEEP)
-        floor = max(floor, _QUADRATIC_BITS)
-    return Decision(Kind.QUANTIZE, floor, keeps_zeros=keeps_zeros, row_group=row_group, group_axis=channel_axis)
+        row_group, axis = min(normalized.row & -normalized.row, group_size), None
+    if row_group < MIN_GROUP_SIZE:
+        return Decision(Kind.KEEP)
+    return decision._replace(row_group=row_group, group_axis=axis)
