@@ -820,6 +820,25 @@ def _name_of(target: Any) -> str | None:
     return getattr(packet, "__name__", None) if packet is not None else None
 
 
+def _function_name(node: fx.Node) -> str | None:
+    """The torch function (or method) the model called that a node of a compiled graph comes
+    from, as eager's op tracker names it (``linear`` for an ``addmm``, ``ctc_loss`` for
+    ``_ctc_loss``): Dynamo's record of it, whose name carries a count from the second call
+    on (``linear_1``) where it records a module's class rather than the function."""
+    stack = node.meta.get("source_fn_stack")
+    if not stack:
+        return None
+    name, target = stack[-1]
+    if isinstance(target, str):
+        return target  # a tensor method
+    if not isinstance(target, type):
+        return getattr(target, "__name__", None)
+    return _CALL_COUNT.sub("", name)
+
+
+_CALL_COUNT = re.compile(r"_\d+$")
+
+
 def producer(node: fx.Node) -> str | None:
     """The op that computed a saved node, looking through views of its result."""
     while True:
@@ -1009,15 +1028,16 @@ class GraphPlan:
         # Each save belongs, as in eager, to the module whose op saved it first: of the
         # backward nodes that read it, the one whose forward op ran first (torch records each
         # one's forward sequence number and module stack). The ops that save it, as eager
-        # names a save by its op, are those whose backward reads it.
-        forward_ops = {int(n.meta["seq_nr"]): _op_name(n) for n in reversed(forward.nodes)
+        # names a save by its op, are those whose backward reads it: by their aten name and
+        # by the torch function the model called, eager's name for them.
+        forward_ops = {int(n.meta["seq_nr"]): {_op_name(n), _function_name(n)} - {None} for n in reversed(forward.nodes)
                        if n.meta.get("seq_nr") is not None}
         self._modules, self._savers = {}, {}
         for node in backward.nodes:
             if node.op == "placeholder":
                 readers = _backward_readers(node)
                 self._modules[node.name] = module_qualname(min(readers)[2] if readers else None)
-                self._savers[node.name] = {forward_ops[r[0]] for r in readers if r[0] in forward_ops}
+                self._savers[node.name] = set().union(*(forward_ops[r[0]] for r in readers if r[0] in forward_ops))
         self._per_module: dict[str, int] = {}
         outputs = forward.output_node().args[0]
         saved = [n for n in outputs if isinstance(n, fx.Node) and n.name in self._reads and n.op != "placeholder"]
@@ -1090,8 +1110,8 @@ class GraphPlan:
         """The op a saved node is named by, for its rules and in the report. Eager names a
         save by the op that saves it (GELU's input: ``gelu``; its output: the next layer's),
         and a shared copy serves every save at the bits the most demanding one pins; so of
-        the forward ops whose backward reads the node, the one whose rule pins the most bits
-        (exact above all). Where none pins any, the op that computed it, unless a rule names
+        the forward ops whose backward reads the node, by aten name or by the torch
+        function called, the one whose rule pins the most bits (exact above all). Where none pins any, the op that computed it, unless a rule names
         that op and its backward does not read the node (GELU's output, read by the next
         layer alone: ``op:gelu`` is not about it)."""
         rules, best, most = self._capture.policy.rules, op, 0.0
