@@ -779,13 +779,12 @@ def decide_site(site: SaveSite, *, min_numel: int) -> Decision:
             return Decision(Kind.KEEP)
         return Decision(Kind.CELLS, cells=cells)
     elif read.derivative is not None:
-        # h(x) stored in place of x: backward is linear in it, so unbiased at any bits.
-        return Decision(Kind.QUANTIZE, _FLOORS[read.use], substitute=read.derivative) if stored else _exact(site)
+        floor = _FLOORS[read.use]  # h(x) stored in place of x: linear in it, unbiased at any bits
     elif site.normalized is not None and site.normalized.channels and read.use >= Use.SMOOTH:
         # Normalised, then put through a nonlinearity backward recomputes from it (a compiled
         # ReLU or Hardswish after BatchNorm): rounding moves values across its kinks, a bias
         # at any width.
-        return Decision(Kind.KEEP)
+        return _exact(site)
     elif site.softmax:
         floor = _NONLINEAR_BITS
     elif site.normalized is not None and site.normalized.channels:
@@ -796,6 +795,8 @@ def decide_site(site: SaveSite, *, min_numel: int) -> Decision:
         return Decision(Kind.KEEP)
     if site.statistic:
         return Decision(Kind.STATISTIC)
+    if read.derivative is not None:
+        return Decision(Kind.QUANTIZE, floor, substitute=read.derivative)
     if site.normalized is not None and not site.normalized.channels:
         floor = max(floor, _QUADRATIC_BITS)  # a row's noise times its 1 / std, twice
     substitute = None
