@@ -557,6 +557,34 @@ def failures(m: Measurement) -> list[str]:
     return missed
 
 
+def side_by_side(args) -> None:
+    """Each case eager and compiled (inductor) in one process: what the compiled graphs store
+    against what eager stores, with both gradients' 8-bit error and seed-mean ratio."""
+    path = args.out / "model_libraries_side_by_side_cpu.json"
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    command = " ".join(["python", *sys.argv])
+    results = {"device": "cpu", "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+               "date": time.strftime("%Y-%m-%d"), "seeds": args.seeds, "cases": earlier.get("cases", {})}
+    print(f"{'case':<28} {'stored eager':>13} {'compiled':>10} {'c / e':>6} {'8-bit e / c':>16} {'ratio e / c':>12}")
+    for name in args.only or CASES:
+        row = {"case": name, "command": command}
+        try:
+            eager, compiled = (measure(name, args.data, args.seeds, compiled) for compiled in (False, True))
+        except Exception as error:  # noqa: BLE001 - recorded: a case that fails is a finding
+            print(f"{name:<28} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+            row["failed"] = f"{type(error).__name__}: {str(error)[:2000]}"
+        else:
+            ratio = compiled.stored_bytes / max(eager.stored_bytes, 1)
+            row.update(eager=eager.row(), compiled=compiled.row(), compiled_over_eager=ratio)
+            print(f"{name:<28} {eager.stored_bytes / 2**20:>9.2f} MiB {compiled.stored_bytes / 2**20:>6.2f} MiB"
+                  f" {ratio:>5.2f}x {eager.error_8bit:>7.4f} / {compiled.error_8bit:.4f}"
+                  f" {eager.unbiased_ratio:>5.2f} / {compiled.unbiased_ratio:.2f}", flush=True)
+        results["cases"][name] = row
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1))
+    print(f"wrote {path}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DATA)
@@ -566,8 +594,13 @@ def main():
     parser.add_argument("--culprit-seeds", type=int, default=8, help="rounding seeds per slot in the culprit search")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--compiled", action="store_true", help="each model under torch.compile (inductor)")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="each model eager and compiled in one run: stored bytes, errors and bias side by side")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.side_by_side:
+        side_by_side(args)
+        return
     path = args.out / ("model_libraries_compiled_cpu.json" if args.compiled else "model_libraries_cpu.json")
     earlier = json.loads(path.read_text()) if path.exists() else {}
     # Cases not run now keep their earlier rows; each row names the command that measured it.
