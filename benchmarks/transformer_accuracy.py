@@ -61,6 +61,8 @@ def train(data: Path, steps: int, settings: dict | None, recalibrate: int, seed:
         report = callbacks[0].last_report
         result.update(ratio=report.ratio, saved_mib=report.saved_bytes / 2**20,
                       stored_mib=report.stored_bytes / 2**20)
+        if callbacks[0].max_peak_bytes is not None:
+            result.update(max_peak_mib=callbacks[0].max_peak_bytes / 2**20)
         if callbacks[0].adaptive and callbacks[0].recalibrations:
             # One recalibration's cost spread over the default interval, against this run's
             # own step time (which includes the one validation pass: a slight underestimate).

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -1057,3 +1058,40 @@ def test_the_callback_names_a_codec_graphs_do_not_store_with_when_a_compiled_mod
 
     with pytest.raises(ValueError, match="codec='pool' is not available inside torch.compile graphs"):
         ActCompression(codec="pool").setup(None, Module(), "fit")
+
+
+class ParametersInForward(nn.Module):
+    """Ops in the compiled module's own forward, not in submodules: run eagerly by Dynamo, they
+    save with the op tracker off."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Parameter(torch.randn(16, 64))
+        self.second = nn.Parameter(torch.randn(64, 4))
+
+    def forward(self, x):
+        return F.gelu(x @ self.first).tanh() @ self.second
+
+
+def test_a_compiled_module_dynamo_runs_eagerly_past_its_recompile_limit_is_warned_about():
+    """Past ``recompile_limit`` Dynamo runs the frame eagerly, the module still wrapped as
+    compiled: its saves reach the eager hooks unseen and are kept exact. That is said, once per
+    capture, where no graph stored anything; not while the graphs run."""
+    model = seeded(ParametersInForward)
+    run = torch.compile(model, backend="aot_eager", dynamic=False)
+    capture = ActivationCapture(CompressionConfig(bits=2, min_numel=1), model)
+    stored, messages = [], []
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for batch in (8, 8, 5, 6):
+            x = torch.randn(batch, 16)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with capture.capturing(inputs=x):
+                    loss = run(x).sum()
+                loss.backward()
+            said = [str(w.message) for w in caught if "ran eagerly" in str(w.message)]
+            stored.append(capture.report.stored_bytes)
+            messages.append(said)
+    assert [len(said) for said in messages] == [0, 0, 1, 0]  # once per capture, where it happened
+    assert "recompile_limit" in messages[2][0]
+    assert stored[2] > 4 * stored[0]  # kept exact: what the warning is about

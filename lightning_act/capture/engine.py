@@ -212,6 +212,7 @@ class ActivationCapture:
         self.report = CompressionReport()
         self.total_nonfinite_groups: torch.Tensor | int = 0
         self._rules_checked = False
+        self._warned_graphs_skipped = False
         self._active = False
         self._paused = False
         self._watched = False  # whether the op tracker watched when the session paused
@@ -240,6 +241,10 @@ class ActivationCapture:
         self._kept_storages: dict[int, StorageWeakRef] = {}
         self._external: dict[int, StorageWeakRef] = {}
         self._stats: list[torch.Tensor] = []
+        # Saves kept exact because the op tracker was off (a compiled module's code run
+        # eagerly), and whether any compiled graph packed a save: see _warn_if_graphs_skipped.
+        self._unseen_saves = 0
+        self._graph_packed = False
 
     def start(self, inputs: Any = None, seed: int | None = None) -> None:
         """Start capturing: every tensor saved from now on is considered.
@@ -302,6 +307,7 @@ class ActivationCapture:
             sys.modules["torch._inductor.config"].layout_optimization = self._layout_optimization
             self._layout_optimization = None
         self._release_records()
+        self._warn_if_graphs_skipped()
         self.group_orders.settle()
         if not self._rules_checked and self.report.modules:
             # After the first session that saved anything: a rule that matched nothing is a typo.
@@ -309,6 +315,27 @@ class ActivationCapture:
             ops = set().union(*(memory.ops for memory in self.report.modules.values()))
             self.policy.rules.warn_unmatched(self._names.values(), ops)
         return self.report
+
+    def _warn_if_graphs_skipped(self) -> None:
+        """Warn once where a compiled module ran in this session without its graphs: saves
+        reached the eager hooks while the op tracker was off for a compiled module, and no
+        compiled graph packed any. Dynamo runs a frame eagerly once it has recompiled it
+        ``torch._dynamo.config.recompile_limit`` times (a fit per fresh model in one process,
+        shapes that change), or where compiling failed; the op that saved each tensor went
+        unseen there, so everything was kept exact, the peak of no compression."""
+        if not self._unseen_saves or self._graph_packed or self._warned_graphs_skipped:
+            return
+        self._warned_graphs_skipped = True
+        limit = getattr(sys.modules.get("torch._dynamo.config"), "recompile_limit", None)
+        warnings.warn(
+            f"lightning_act: a compiled module ran eagerly in this step ({self._unseen_saves} saved tensors reached "
+            "the eager hooks while the module was meant to run compiled, and no compiled graph stored anything): "
+            "those tensors were kept exact, uncompressed. Dynamo runs a function eagerly once it has recompiled it "
+            f"torch._dynamo.config.recompile_limit times ({limit}), or where compiling it failed; its log names "
+            "the function. Raise the limit, mark the changing sizes dynamic, or call torch._dynamo.reset() between "
+            "fits of fresh models.",
+            stacklevel=2,
+        )
 
     def _settings_state(self) -> str:
         """Everything a compiled graph's plans depend on, as one name (see :class:`GraphHooks`)."""
@@ -377,6 +404,7 @@ class ActivationCapture:
         """Add a tensor a compiled graph packed (and the kept saves its plan carries) to the
         report; ``kept_alive``: one it kept as it is instead (see :meth:`keeps_alive`)."""
         save = PackedSave.of(plan, t, parts)
+        self._graph_packed = True
         if kept_alive:
             self.report.add(save.kept_alive)
         elif save.slot_info is None:
@@ -391,6 +419,7 @@ class ActivationCapture:
         ``quantized`` or, where that is empty, concatenated (all the non-finite check needs,
         while no estimator observes them)."""
         self.report.add(delta)
+        self._graph_packed = True
         self._stats.extend(stats)
         for save in quantized:
             if save.plan.slot not in self.slots:  # a graph from torch's cache: planned in another process
@@ -620,16 +649,19 @@ class ActivationCapture:
         ptr = t.untyped_storage().data_ptr()
         call = self._tracker.current_call()
         op = None if call is None else call.name
+        # The attribute, not its property: Dynamo traces this where it inlines the hook.
+        unseen = call is None and not self._tracker._watching
         decision = decide(
             t,
             call,
             external=self._live(self._external, ptr),
             min_numel=self.config.min_numel,
             group_size=self.config.group_size,
-            # The attribute, not its property: Dynamo traces this where it inlines the hook.
-            unseen=call is None and not self._tracker._watching,
+            unseen=unseen,
             decided=self._decided,
         )
+        if unseen and decision.kind is Kind.KEEP:
+            self._unseen_saves += 1
         if call is None:
             return self._store_decided(t, None, decision, module, ptr)
         call.saves += 1
