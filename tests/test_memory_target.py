@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import BatchSizeFinder
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_act import ActCompression, MemoryTarget, MemoryTargetError
+from lightning_act import ActCompression, ActivationCapture, CompressionConfig, MemoryTarget, MemoryTargetError
 from lightning_act.monitor import StepPeakMemory
 from lightning_act.ops import ensure_kernels, loaded_kernels
 from lightning_act.policy import EXACT, SlotInfo, TargetBits, parse_memory_target
@@ -253,3 +253,20 @@ def test_plain_loop_holds_every_step_under_the_target():
     assert peaks[-1] >= 0.9 * target.policy.target_bytes, peaks
     with pytest.raises(MemoryTargetError, match="least reachable peak"):
         run(MemoryTarget(model, floor // 2, optimizers=[optimizer]), 3)
+
+
+def test_probes_on_a_few_rows_leave_the_step_sizes_the_plan_is_made_with():
+    """The probes run on a slice of the batch; the slots the policy plans with keep the
+    training step's sizes. A memory target planned with the probes' sizes after a
+    recalibration gave the next step a third more than its target."""
+    model = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 10))
+    capture = ActivationCapture(CompressionConfig(bits=2, min_numel=1), model)
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+    with capture.capturing(inputs=x):
+        loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    sizes = {slot: info.numel for slot, info in capture.slots.items()}
+    sample = x[:8]
+    capture.measure_sensitivity(lambda: nn.functional.cross_entropy(model(sample), y[:8]), inputs=sample)
+    assert {slot: info.numel for slot, info in capture.slots.items()} == sizes
+    assert min(sizes.values()) >= 64 * 10  # the step's, not the slice's

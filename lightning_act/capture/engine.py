@@ -863,7 +863,7 @@ class ActivationCapture:
         restorer = None
         if decision.substitute is not None:
             dense, restorer = decision.substitute.store(dense)
-        info = self.slots[slot] = SlotInfo(
+        info = SlotInfo(
             module=module,
             shape=tuple(t.shape),
             numel=dense.numel(),
@@ -873,6 +873,11 @@ class ActivationCapture:
             min_bits=decision.min_bits,
         )
         probing = self._probe is not None
+        if not probing or slot not in self.slots:
+            # A probe runs on a few rows of the batch: the sizes the policy plans with stay
+            # the training step's (a memory target given the probes' sizes planned for a
+            # batch a few times smaller, and the next step overshot its target by a third).
+            self.slots[slot] = info
         bits = None if probing else self.policy.bits_for(slot, info)
         # Groups along another axis than the last where that was measured to round with less
         # noise, at the width the slot is stored at (while probing, the one most get).
