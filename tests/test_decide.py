@@ -311,6 +311,13 @@ def test_a_derivative_is_restored_a_level_at_a_time_as_from_its_decoded_values(b
     assert torch.equal(restored.nan_to_num(), expected.nan_to_num())
 
 
+def test_integers_saved_outside_any_call_are_measured_on_the_cpu():
+    """A custom autograd function's index: no op bounds it, so the CPU measures its range (a
+    byte buffer, whose bytes span their whole range, is kept)."""
+    assert decided(torch.randint(-3, 40, (64,))).kind is Kind.INDEX
+    assert decided(torch.randint(0, 255, (64,), dtype=torch.uint8)).kind is Kind.KEEP
+
+
 def test_what_no_codec_can_store_smaller_is_kept():
     x = torch.randn(4, 8)
     assert decided(x, min_numel=33).kind is Kind.KEEP  # too small

@@ -874,11 +874,12 @@ def _decide_from_call(t: torch.Tensor, call: TrackedCall | None, min_numel: int,
         return decision._replace(layout=layout)
     # A normalisation's input in groups within its rows: runs of memory, or each channel one
     # run (BatchNorm, where its channels are not runs of whole groups).
-    row, row_layout = site.normalized.row if site.normalized is not None and t.is_contiguous() else None, layout
-    if site.normalized is not None and site.normalized.channels:
+    normalized = site.normalized
+    row, row_layout = (normalized.row if t.is_contiguous() else None), layout
+    if normalized.channels:
         row = None
         if t.shape[1] >= 2 and not (t.is_contiguous() and math.prod(t.shape[2:]) % group_size == 0):
-            row, row_layout = site.normalized.row, Layout.channel_major(t)
+            row, row_layout = normalized.row, Layout.channel_major(t)
     row_group = None
     if row is not None and row % group_size:
         row_group, padded_row = _row_grouping(row, group_size, max(decision.min_bits, 2))
@@ -892,13 +893,12 @@ def site_of_call(t: torch.Tensor, call: TrackedCall | None, layout: Layout | Non
     """What :func:`decide_site` needs to know of ``t``, saved by ``call``."""
     numel = t.numel() if layout is None else layout.numel
     contiguous = t.is_contiguous()
-    if call is None:
-        return SaveSite(t.dtype, numel, layout is not None, contiguous, None, seen=False)
-    floating = t.is_floating_point()
-    if not floating:
-        return SaveSite(t.dtype, numel, layout is not None, contiguous, None,
+    if not t.is_floating_point():
+        return SaveSite(t.dtype, numel, layout is not None, contiguous, None, seen=call is not None,
                         index_range=saved_index_range(call, t),
                         measures_range=t.device.type == "cpu" and t.element_size() > 1)
+    if call is None:
+        return SaveSite(t.dtype, numel, layout is not None, contiguous, None, seen=False)
     normalized = None
     row = _normalization_row(t, call)
     if row is not None:
