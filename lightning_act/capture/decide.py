@@ -499,7 +499,7 @@ def _is_first_argument(t: torch.Tensor, call: TrackedCall) -> bool:
 def _is_scaled_by_own_row_factor(t: torch.Tensor, call: TrackedCall) -> bool:
     """Whether ``call`` multiplies ``t`` by a factor per row of its last dimension that was
     computed from ``t`` itself: a normalisation written out in pointwise ops."""
-    if call.name not in _SCALING_OPS or t.dim() < 1 or t.shape[-1] < 2:
+    if call.name not in _SCALING_OPS or t.dim() < 1:
         return False
     first, second = call_argument(call, 0, "input", "self"), call_argument(call, 1, "other")
     if is_same_tensor(first, t):

@@ -66,6 +66,11 @@ class Layout(NamedTuple):
     strided: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @staticmethod
+    def as_it_is() -> Layout:
+        """The layout of a tensor handed back as it was stored (a view kept as it is)."""
+        return _AS_IT_IS
+
+    @staticmethod
     def of(t: torch.Tensor) -> Layout | None:
         """The layout of ``t`` (from its shape and strides), or None if its elements overlap."""
         if t.is_contiguous():
@@ -128,6 +133,9 @@ class Layout(NamedTuple):
         return torch.empty_strided(size, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
+_AS_IT_IS = Layout(None, None, False, None, 0)
+
+
 def storage_region(t: torch.Tensor) -> tuple[int, int] | None:
     """``(offset, numel)`` when ``t``'s elements fill exactly that run of its storage, else None.
 
@@ -160,12 +168,15 @@ class Compressed:
     reads (:class:`~lightning_act.backward_reads.PointwiseDerivative`,
     :class:`~lightning_act.capture.decide.MinusInfinityStandIn`)."""
 
-    __slots__ = ("record", "layout", "substitute")
+    __slots__ = ("record", "layout", "substitute", "slot")
 
-    def __init__(self, record, layout: Layout, substitute=None):
+    def __init__(self, record, layout: Layout, substitute=None, slot: str | None = None):
         self.record = record
         self.layout = layout
         self.substitute = substitute
+        #: The policy's slot of a rounded save (None for a probe's, a mask's, indices'): the
+        #: report's row to move where a later save's copy supersedes this one.
+        self.slot = slot
 
     def unpack(self) -> torch.Tensor:
         if self.substitute is None:
@@ -306,3 +317,5 @@ class Shared(NamedTuple):
     #: For a rounded copy, the rows its groups stay within (its decision's ``row_group`` and
     #: ``row_layout``; ``(None, None)``: groups in memory order); None for an exact copy.
     rows: tuple | None = None
+    #: Whether another view of the run decodes from ``record``.
+    viewed: bool = False
