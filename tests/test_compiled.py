@@ -1095,3 +1095,28 @@ def test_a_compiled_module_dynamo_runs_eagerly_past_its_recompile_limit_is_warne
     assert [len(said) for said in messages] == [0, 0, 1, 0]  # once per capture, where it happened
     assert "recompile_limit" in messages[2][0]
     assert stored[2] > 4 * stored[0]  # kept exact: what the warning is about
+
+
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.rnn, self.head = nn.Embedding(32, 16), nn.GRU(16, 32, batch_first=True), nn.Linear(32, 32)
+
+    def forward(self, tokens):
+        return self.head(self.rnn(self.embed(tokens))[0])
+
+
+def test_a_recurrent_submodule_of_a_compiled_model_is_kept_exact_and_said():
+    """Dynamo breaks the graph inside ``nn.GRU``'s forward and runs the rest eagerly, where no
+    module hook turns the op tracker back on: its saves go unseen, kept exact, and the
+    capture says so (compiled alone, the GRU runs eagerly through its module call, tracked)."""
+    model = seeded(Recurrent)
+    model.compile(backend="aot_eager")
+    tokens = torch.randint(0, 32, (4, 24))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with compress_activations(model, inputs=tokens, bits=2, min_numel=1) as capture:
+            loss = model(tokens).square().mean()
+        loss.backward()
+    assert capture.report.counts["kept"] > 100  # its 24 steps' gates and states, unseen
+    assert any("nn.GRU" in str(w.message) for w in caught)

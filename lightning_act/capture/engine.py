@@ -319,23 +319,25 @@ class ActivationCapture:
         return self.report
 
     def _warn_if_graphs_skipped(self) -> None:
-        """Warn once where a compiled module ran in this session without its graphs: saves
-        reached the eager hooks while the op tracker was off for a compiled module, and no
-        compiled graph packed any. Dynamo runs a frame eagerly once it has recompiled it
-        ``torch._dynamo.config.recompile_limit`` times (a fit per fresh model in one process,
-        shapes that change), or where compiling failed; the op that saved each tensor went
-        unseen there, so everything was kept exact, the peak of no compression."""
+        """Warn once where a compiled module's code ran eagerly in this session with the op
+        tracker off, and no compiled graph packed any save: every tensor it saved went to
+        the eager hooks unseen and was kept exact, the peak of no compression. Dynamo runs
+        such code eagerly once it has recompiled a function ``recompile_limit`` times (a fit
+        per fresh model in one process, shapes that change), where compiling failed, and
+        after a graph break inside a submodule's forward (an ``nn.GRU`` inside a compiled
+        model: no module hook runs there to turn the tracker back on)."""
         if not self._unseen_saves or self._graph_packed or self._warned_graphs_skipped:
             return
         self._warned_graphs_skipped = True
         limit = getattr(sys.modules.get("torch._dynamo.config"), "recompile_limit", None)
         warnings.warn(
-            f"lightning_act: a compiled module ran eagerly in this step ({self._unseen_saves} saved tensors reached "
-            "the eager hooks while the module was meant to run compiled, and no compiled graph stored anything): "
-            "those tensors were kept exact, uncompressed. Dynamo runs a function eagerly once it has recompiled it "
-            f"torch._dynamo.config.recompile_limit times ({limit}), or where compiling it failed; its log names "
-            "the function. Raise the limit, mark the changing sizes dynamic, or call torch._dynamo.reset() between "
-            "fits of fresh models.",
+            f"lightning_act: code of a compiled module ran eagerly in this step and no compiled graph stored "
+            f"anything: {self._unseen_saves} saved tensors reached the eager hooks unseen and were kept exact, "
+            "uncompressed. Dynamo runs code eagerly once it has recompiled a function "
+            f"torch._dynamo.config.recompile_limit times ({limit}), where compiling failed, and after a graph "
+            "break inside a submodule's forward (nn.GRU, nn.LSTM); its log names the function. Raise the limit, "
+            "mark the changing sizes dynamic, call torch._dynamo.reset() between fits of fresh models, or compile "
+            "the submodules Dynamo can trace rather than the whole model.",
             stacklevel=2,
         )
 
