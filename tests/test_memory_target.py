@@ -97,6 +97,27 @@ def test_target_loop_moves_down_and_says_when_the_floor_is_over():
     assert policy.observe(21 * MIB, slots) is Verdict.UNREACHABLE
 
 
+def test_target_loop_never_returns_to_a_storage_it_was_over_with():
+    """A peak that jumps where storage crosses a level (which records are alive at the peak
+    changes with their bits): each step over the target bars its storage, so the plan
+    settles under the jump instead of swinging over the target every third step."""
+    slots = _slots(numel=1 << 18)
+    policy = TargetBits(4 * MIB)
+
+    def step():  # above 1 MiB of storage, 1.5 MiB more at the peak
+        storage = _storage_bytes(policy, slots)
+        return 2 * MIB + storage + (int(1.5 * MIB) if storage > MIB else 0)
+
+    peaks = []
+    for _ in range(16):
+        peaks.append(step())
+        if policy.observe(peaks[-1], slots) is Verdict.MOVE:
+            policy.update({}, slots)
+    over = [i for i, peak in enumerate(peaks) if peak > policy.target_bytes]
+    assert len(over) <= 2 and max(over) < 6, [round(p / MIB, 2) for p in peaks]
+    assert len(set(peaks[-8:])) == 1  # settled
+
+
 def test_target_uses_measured_sensitivity_and_fills_slots_without_one():
     slots = _slots()
     policy = TargetBits(10**9)

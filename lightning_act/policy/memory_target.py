@@ -21,6 +21,9 @@ within the storage the target leaves, closed loop on the peak each step measures
    checked and held.
 3. A step over the target (a longer sequence, a larger batch) moves the plan down by the
    excess; if the records alive at the peak are only part of them, a few steps are needed.
+   No later plan comes back to the storage that step was over with (until a restart): where
+   the peak does not follow storage smoothly (which records are alive at the peak changes
+   with their bits), moves by the room alone swung between over and under the target.
 
 Only bits move the peak here. Recomputation is not an option because it does not pay on
 top of compression: a recomputed block keeps its input whole and re-creates its activations
@@ -47,6 +50,8 @@ AIM = 0.98
 LOW_WATER = 0.93
 #: No measured slope counts for more (a move would hardly move).
 MAX_SLOPE = 4.0
+#: A plan stays under this share of the least storage a step was measured over the target with.
+CEILING_SHARE = 0.99
 #: A batch this much larger than the one the plan was measured at starts it again.
 BATCH_GROWTH = 1.25
 #: New plans a compiled model may make: none, it stays at every tensor's floor. A plan's
@@ -173,6 +178,9 @@ class TargetBits(AllocatedBits):
         self._measured_steps = 0
         self._measured_total = 0.0
         self._floor_overs = 0  # steps in a row at the floor over the target
+        # The least storage (bits) a step was measured over the target with: no plan goes back
+        # to it, so a plan does not swing between over and under (None: none was over).
+        self._ceiling: float | None = None
         # The last update left the plan as it was: the next step is not a reason to move again.
         self._stalled = False
         # The batch's bytes the plan is measured at (None: none yet).
@@ -198,6 +206,7 @@ class TargetBits(AllocatedBits):
         self._measured_steps = 0
         self._measured_total = 0.0
         self._floor_overs = 0
+        self._ceiling = None
         self._stalled = False
         self._planned_batch_bytes = None
 
@@ -215,6 +224,7 @@ class TargetBits(AllocatedBits):
         floor = sum(storage_bits(s.min_bits, s.numel, s.groups, s.element_bits) for s in free.values())
         exact = sum(s.numel * s.element_bits for s in free.values())
         if peak_bytes > self.target_bytes and storage > floor:
+            self._ceiling = storage if self._ceiling is None else min(self._ceiling, storage)
             return Verdict.MOVE
         if peak_bytes > self.target_bytes:
             # Two steps at the floor over the target, so that one step's own work (a compile,
@@ -264,8 +274,12 @@ class TargetBits(AllocatedBits):
             return 0.0  # every tensor at its cheapest
         used = sum(self._measured_storage.get(k, storage_bits(floors.get(k, 1), *size)) for k, size in sizes.items())
         room = AIM * self.target_bytes - self.measured_peak
-        # Up by what the room allows at the steepest rise seen; down by at least the excess.
-        return max(used + 8.0 * (room / self.slope if room > 0 else room), 0.0)
+        # Up by what the room allows at the steepest rise seen; down by at least the excess;
+        # below the storage a step was over the target with, whatever the room says.
+        allowance = used + 8.0 * (room / self.slope if room > 0 else room)
+        if self._ceiling is not None:
+            allowance = min(allowance, CEILING_SHARE * self._ceiling)
+        return max(allowance, 0.0)
 
     def _free(self, slots: Mapping[str, SlotInfo]) -> dict[str, SlotInfo]:
         return {k: s for k, s in slots.items() if not self.pins_bits(s)}
