@@ -118,6 +118,24 @@ def test_target_loop_never_returns_to_a_storage_it_was_over_with():
     assert len(set(peaks[-8:])) == 1  # settled
 
 
+def test_a_recalibration_moves_bits_between_tensors_not_storage_up():
+    """A re-plan with new sensitivities after a step that fitted keeps that step's storage;
+    only a step that asks for a move (under 0.93 of the target) adds the room it measured."""
+    slots = _slots()  # 1 MiB exact
+    policy = TargetBits(int(2.6 * MIB))
+    policy.observe(2 * MIB, slots)
+    policy.observe(2 * MIB, slots)  # moves up from the second step on
+    policy.update({}, slots)
+    storage = _storage_bytes(policy, slots)
+    assert policy.observe(int(0.95 * policy.target_bytes), slots) is Verdict.FITS
+    noisier = {k: {b: (10.0 if k.startswith("m0") else 1.0) * 2.0 ** -b for b in (1, 2, 4, 8)} for k in slots}
+    policy.update(noisier, slots)  # a recalibration
+    assert _storage_bytes(policy, slots) <= storage
+    assert policy.observe(int(0.5 * policy.target_bytes), slots) is Verdict.MOVE
+    policy.update(noisier, slots)
+    assert _storage_bytes(policy, slots) > storage
+
+
 def test_target_uses_measured_sensitivity_and_fills_slots_without_one():
     slots = _slots()
     policy = TargetBits(10**9)

@@ -183,6 +183,9 @@ class TargetBits(AllocatedBits):
         self._ceiling: float | None = None
         # The last update left the plan as it was: the next step is not a reason to move again.
         self._stalled = False
+        # The last measured step asked for a move (else an update re-plans with new
+        # sensitivities, a recalibration, and keeps the storage that step measured).
+        self._moving = False
         # The batch's bytes the plan is measured at (None: none yet).
         self._planned_batch_bytes: int | None = None
 
@@ -220,11 +223,13 @@ class TargetBits(AllocatedBits):
             self.slope = min(max(self.slope, (peak_bytes - self.measured_peak) / added), MAX_SLOPE)
         self.measured_peak = peak_bytes
         self._measured_steps += 1
+        self._moving = False
         self._measured_storage, self._measured_total = storage_by_slot, storage
         floor = sum(storage_bits(s.min_bits, s.numel, s.groups, s.element_bits) for s in free.values())
         exact = sum(s.numel * s.element_bits for s in free.values())
         if peak_bytes > self.target_bytes and storage > floor:
             self._ceiling = storage if self._ceiling is None else min(self._ceiling, storage)
+            self._moving = True
             return Verdict.MOVE
         if peak_bytes > self.target_bytes:
             # Two steps at the floor over the target, so that one step's own work (a compile,
@@ -235,6 +240,7 @@ class TargetBits(AllocatedBits):
         if self._measured_steps < 2 or self._stalled:
             return Verdict.FITS
         if peak_bytes < LOW_WATER * self.target_bytes and storage < exact:
+            self._moving = True
             return Verdict.MOVE
         return Verdict.FITS
 
@@ -260,9 +266,13 @@ class TargetBits(AllocatedBits):
             return self.assignment
         before = self._measured_total
         planned = dict(self.assignment)
+        moving = self._moving
         assignment = super().update(_every_slot(variance, self._free(slots)), slots)
-        self._stalled = assignment == planned
-        if self.plans_left is not None and not self._stalled:
+        self._moving = False  # moved: a recalibration before the next step adds nothing more
+        # A move that changed nothing stalls the loop until a step goes over the target; a
+        # recalibration's new sensitivities give the room a fresh chance.
+        self._stalled = moving and assignment == planned
+        if self.plans_left is not None and assignment != planned:
             self.plans_left -= 1
         if self.measured_peak is not None:
             after = sum(self._storage(k, slots[k]) for k in self._measured_storage if k in slots)
@@ -275,8 +285,11 @@ class TargetBits(AllocatedBits):
         used = sum(self._measured_storage.get(k, storage_bits(floors.get(k, 1), *size)) for k, size in sizes.items())
         room = AIM * self.target_bytes - self.measured_peak
         # Up by what the room allows at the steepest rise seen; down by at least the excess;
-        # below the storage a step was over the target with, whatever the room says.
-        allowance = used + 8.0 * (room / self.slope if room > 0 else room)
+        # below the storage a step was over the target with, whatever the room says. A
+        # recalibration moves bits between tensors, which alone can move the peak (which of
+        # them are alive at it): it does not add storage as well, a later step's room does.
+        up = room / self.slope if room > 0 and self._moving else 0.0
+        allowance = used + 8.0 * (up if room > 0 else room)
         if self._ceiling is not None:
             allowance = min(allowance, CEILING_SHARE * self._ceiling)
         return max(allowance, 0.0)
