@@ -24,6 +24,8 @@ within the storage the target leaves, closed loop on the peak each step measures
    No later plan comes back to the storage that step was over with (until a restart): where
    the peak does not follow storage smoothly (which records are alive at the peak changes
    with their bits), moves by the room alone swung between over and under the target.
+4. A recalibration (new sensitivities) re-plans at the storage the last step measured: it
+   moves bits between tensors, which can move the peak by itself, and adds no room on top.
 
 Only bits move the peak here. Recomputation is not an option because it does not pay on
 top of compression: a recomputed block keeps its input whole and re-creates its activations
