@@ -557,14 +557,20 @@ def failures(m: Measurement) -> list[str]:
     return missed
 
 
+def _results_of_run(args, path: Path) -> tuple[str, dict]:
+    """This run's command and the results it writes to ``path``: cases not run now keep
+    their earlier rows, and each row names the command that measured it."""
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    results = {"device": "cpu", "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+               "date": time.strftime("%Y-%m-%d"), "seeds": args.seeds, "cases": earlier.get("cases", {})}
+    return " ".join(["python", *sys.argv]), results
+
+
 def side_by_side(args) -> None:
     """Each case eager and compiled (inductor) in one process: what the compiled graphs store
     against what eager stores, with both gradients' 8-bit error and seed-mean ratio."""
     path = args.out / "model_libraries_side_by_side_cpu.json"
-    earlier = json.loads(path.read_text()) if path.exists() else {}
-    command = " ".join(["python", *sys.argv])
-    results = {"device": "cpu", "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-               "date": time.strftime("%Y-%m-%d"), "seeds": args.seeds, "cases": earlier.get("cases", {})}
+    command, results = _results_of_run(args, path)
     print(f"{'case':<28} {'stored eager':>13} {'compiled':>10} {'c / e':>6} {'8-bit e / c':>16} {'ratio e / c':>12}")
     for name in args.only or CASES:
         row = {"case": name, "command": command}
@@ -602,11 +608,7 @@ def main():
         side_by_side(args)
         return
     path = args.out / ("model_libraries_compiled_cpu.json" if args.compiled else "model_libraries_cpu.json")
-    earlier = json.loads(path.read_text()) if path.exists() else {}
-    # Cases not run now keep their earlier rows; each row names the command that measured it.
-    command = " ".join(["python", *sys.argv])
-    results = {"device": "cpu", "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-               "date": time.strftime("%Y-%m-%d"), "seeds": args.seeds, "cases": earlier.get("cases", {})}
+    command, results = _results_of_run(args, path)
     print(f"{'case':<28} {'8-bit':>8} {'2-bit':>8} {'mean':>8} {'ratio':>6} {'kept':>7} {'peak':>6} {'s':>5}")
     for name in args.only or CASES:
         try:
