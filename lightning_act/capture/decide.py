@@ -983,7 +983,8 @@ def decide_saved_node(
       the input itself at 8 bits;
     * a normalisation's rows that are not runs of whole groups (eager pads them): kept.
 
-    A sign or interval mask is stored as the cells between its constants (2 or 3 bits).
+    The site names no hand-ruled op (a sign or interval mask, dropout's noise): a tensor
+    compared only with constants is stored as the cells between them (2 or 3 bits).
     """
     if not isinstance(val, torch.Tensor) or val.layout != torch.strided or val.is_nested:
         return Decision(Kind.KEEP)
@@ -1000,9 +1001,6 @@ def decide_saved_node(
     decision = decide_site(site, min_numel=min_numel)
     if decision.kind is Kind.MATCH:
         return Decision(Kind.KEEP)
-    if decision.kind is Kind.SIGN_MASK:
-        cells = ThresholdCells.of(decision.interval or (0.0,), val.dtype)
-        return Decision(Kind.KEEP) if cells is None else Decision(Kind.CELLS, cells=cells)
     if decision.kind is not Kind.QUANTIZE:
         return decision
     substitute = decision.substitute

@@ -60,7 +60,6 @@ from lightning_act.capture.records import (
     Shared,
     storage_key,
     storage_region,
-    unpack,
 )
 from lightning_act.capture.report import (
     OUTSIDE_MODULES,
@@ -408,9 +407,9 @@ class ActivationCapture:
         """Add a tensor a compiled graph packed (and the kept saves its plan carries) to the
         report; ``kept_alive``: one it kept as it is instead (see :meth:`keeps_alive`)."""
         save = PackedSave.of(plan, t, parts)
-        self._graph_packed = True
         if kept_alive:
             self.report.add(save.kept_alive)
+            self._graph_packed = True
         elif save.slot_info is None:
             self.account_packed(save.delta, [], [])
         else:
@@ -652,7 +651,6 @@ class ActivationCapture:
         module = self._stack[-1] if self._stack else OUTSIDE_MODULES
         ptr = t.untyped_storage().data_ptr()
         call = self._tracker.current_call()
-        op = None if call is None else call.name
         # The attribute, not its property: Dynamo traces this where it inlines the hook.
         unseen = call is None and not self._tracker._watching
         decision = decide(
@@ -800,9 +798,10 @@ class ActivationCapture:
         ``pow`` saves ``x`` at the policy's bits before ``mul`` shows the normalisation and
         saves it at its floor, or exact over rows shorter than a group, where two reads of
         differently rounded copies gave one-value rows an 8-bit gradient error of 42 times
-        the gradient's norm (6e-4 with one copy). Only where the later copy serves every use the earlier one did: exact, or
-        the quantizer (zeros kept) at bits as high; not where another view decodes from the
-        earlier record, nor a substitute stored for its op alone."""
+        the gradient's norm (6e-4 with one copy). Only where the later copy serves every use
+        the earlier one did: exact, or the quantizer (zeros kept) at bits as high; not where
+        another view decodes from the earlier record, nor a substitute stored for its op
+        alone."""
         old, new = earlier.saved, later.saved
         if (earlier.storage.expired() or earlier.viewed or earlier.view != later.view
                 or not isinstance(old, Compressed) or old.slot is None or old.substitute is not None

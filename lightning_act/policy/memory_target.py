@@ -212,7 +212,7 @@ class TargetBits(AllocatedBits):
         self._measured_total = 0.0
         self._floor_overs = 0
         self._ceiling = None
-        self._stalled = False
+        self._stalled = self._moving = False
         self._planned_batch_bytes = None
 
     def observe(self, peak_bytes: int, slots: Mapping[str, SlotInfo]) -> Verdict:
