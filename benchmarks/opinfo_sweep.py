@@ -60,21 +60,15 @@ EXEMPT_AT_8_BITS = {
     # flash kernel the storage does, not the op. Inputs of up to +-9 make logits of +-200,
     # whose query and key are stored at 8 bits: moved by half a step, the inputs move the
     # gradient 0.24 (SDPA), 0.015 (masked softmin), 0.006 (multi-head attention), while the
-    # storage moves it 1.85, 0.71, 0.44; the CPU flash kernel 0.21 against 0.47. Storing these
-    # so that backward's recomputed probabilities agree with the exact statistics it reads
-    # is not built.
+    # storage moves it 1.85, 0.71, 0.44; the CPU flash kernel 0.21 against 0.47. A softmax's
+    # gradient, y (g - <g, y>), shrinks with the probability left beside the largest, while
+    # rounding adds a step of the largest: rows of 64 probabilities whose largest leaves 0.1
+    # (0.02) to the others lose 0.21 (0.70) of it at 8 bits. No storage of linear levels
+    # holds such a row; storing it as log-probabilities, or exactly once saturated, is not built.
     "nn.functional.scaled_dot_product_attention": "storage (saturated softmax)",
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": "saturated softmax",
     "nn.functional.multi_head_attention_forward": "storage (saturated softmax)",
     "masked.softmin": "storage (saturated softmax)",
-    # Products of up to ten values of +-9 span eight orders of magnitude within one group, and
-    # backward reads each through its ratio to the input: the inputs moved by half a step move
-    # the gradient 3e-8 (scatter_reduce prod) and 0.005 (cumprod), the 8-bit storage 3.3 and
-    # 0.19. Keeping such results exact, or storing their logarithm, is not built.
-    "cumprod": "storage (products spanning orders of magnitude)",
-    "scatter_reduce": "storage (products spanning orders of magnitude)",
-    # The same for a whole reduction: 0.06-0.23 at 8 bits, depending on the samples drawn.
-    "prod": "storage (products spanning orders of magnitude)",
 }
 # An exact gradient that is zero up to round-off (normalize or layer_norm over a dimension of
 # one, corrcoef of fewer than three observations) has no relative error to measure.

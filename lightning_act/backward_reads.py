@@ -65,6 +65,7 @@ import enum
 import faulthandler
 import functools
 import logging
+import math
 import operator
 import os
 import select
@@ -217,6 +218,9 @@ _SMOOTH = frozenset(
      "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool2d", "adaptive_max_pool3d"}
 )
 _EXPONENTIALS = frozenset({"exp", "exp2", "expm1"})
+# Views that may repeat values (a divisor's shape before them is what it holds).
+_BROADCASTING_VIEWS = frozenset({"expand", "expand_copy", "view", "reshape", "_unsafe_view", "unsqueeze",
+                                 "squeeze", "permute", "transpose", "alias", "detach"})
 # Backward kernels that aten does not decompose, by schema argument name.
 _ATTENTION_SCORES = frozenset({"query", "key", "logsumexp"})
 _ATTENTION_MASKS = frozenset({"attn_bias", "attn_mask"})
@@ -295,6 +299,26 @@ class _Walk:
                 stack.extend(current.all_input_nodes)
         return False
 
+    def _divides_by_another_save_elementwise(self, node: fx.Node) -> bool:
+        """Whether ``node`` (a ``div``) divides value by value by a tensor computed from
+        another save: a divisor broadcast from fewer values (a normalisation's statistic, a
+        norm) scales whole rows alike, and their rounding is measured against that scale."""
+        divisor = node.args[1]
+        if not isinstance(divisor, fx.Node) or not self._from_another_save(divisor):
+            return False
+        # Back through views, and through a read marker to the forward's tensor it reads
+        # (the marker's own value is laid out anew).
+        while divisor.op == "call_function" and (_is_marker(divisor) or _name(divisor.target) in _BROADCASTING_VIEWS):
+            divisor = divisor.args[0]
+            if not isinstance(divisor, fx.Node):
+                return False
+        value, result = divisor.meta.get("val"), node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or not isinstance(result, torch.Tensor):
+            return False
+        # A save that is itself a broadcast view (``norm.expand_as(x)``) holds fewer values.
+        held = math.prod(size for size, stride in zip(value.shape, value.stride()) if stride != 0)
+        return held == result.numel()
+
     def _record(self, use: Use, node: fx.Node, reason: str | None = None) -> None:
         if use > self.worst:
             self.worst, self.reason = use, reason or _name(node.target)
@@ -345,6 +369,13 @@ class _Walk:
                 return 1
             if node.kwargs.get("rounding_mode") is not None or len(node.args) > 2:
                 self._record(Use.EXACT, node)
+            elif degrees[0] and self._divides_by_another_save_elementwise(node):
+                # ``result / input`` (a product's, a cumulative product's backward): the
+                # result's rounding, a step of its group's range, is divided by the small
+                # inputs its small values came from. Products of ten values of +-9 span eight
+                # orders of magnitude in a group: 8 bits made scatter_reduce's gradient 3.3
+                # times the exact one.
+                self._record(Use.SINGULAR, node, "divided by another saved tensor")
             return degrees[0]
         if name in ("pow", "float_power", "square"):
             return self._step_power(node, name, degrees)
@@ -1220,7 +1251,7 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
             slots.setdefault(n.args[1], []).append(n)
     saved = {n for marked in slots.values() for n in marked}
     written = _written(gm.graph)
-    reads = []
+    reads, unused = [], []
     for slot in range(len(saves)):
         nodes = slots.get(slot, [])
         if not nodes:
@@ -1230,9 +1261,89 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
             # after autograd saved the empty buffer): only the tensor itself holds what
             # backward will read.
             reads.append(Read(Use.EXACT, reason="written after it is saved"))
+        elif not any(_used(n) for n in nodes):
+            unused.append(slot)
+            reads.append(Read(Use.NONE))
         else:  # read twice (a double backward): the stricter
             reads.append(max((classify(n, tangents, saved) for n in nodes), key=lambda r: r.use))
+    if unused:
+        # Unpacked, and reaching no gradient as traced: torch's formula may branch on what it
+        # is given (prod's backward, for a tensor subclass such as the fake ones traced,
+        # avoids dividing by the input; for real ones it reads ``result / input``).
+        read_for_real = _slots_read_for_real(func, flat, spec, positions, shared, requires, autocast, unused)
+        for slot in unused:
+            if read_for_real is None or slot in read_for_real:
+                reads[slot] = Read(Use.SINGULAR, reason=_UNTRACED_BRANCH)
     return _Traced(_with_matches(reads, slots), tuple(saves))
+
+
+#: :attr:`Read.reason` of a save the traced backward does not use and the real one reads.
+_UNTRACED_BRANCH = "read by a branch the trace did not take"
+
+
+def _slots_read_for_real(func: Callable, flat: list, spec, positions: list[int], shared: list[int],
+                         requires: list[bool], autocast: tuple, slots: list[int]) -> frozenset[int] | None:
+    """Of ``slots``, the saves whose values the call's real backward reads: each in turn is
+    handed back as NaN, and a gradient that turns NaN read it. Run once per call signature,
+    beside its trace (a thread of its own, outside the capture's hooks), on CPU copies of the
+    call's own arguments: values the call already ran on, so no forked process is needed
+    (nor can one run backward once autograd's threads have started). None where it cannot be
+    measured (an op with no CPU kernel, a call that saves other tensors on the CPU)."""
+    tensors = [flat[i] for i in positions]
+    if sum(t.numel() for t in tensors) > _PROBE_NUMEL:
+        return None
+    copies = [t.detach().to("cpu", copy=True) for t in tensors]
+
+    def read_slots() -> frozenset[int] | None:
+        found = set()
+        for slot in slots:
+            values, distinct, leaves = list(flat), {}, []
+            for i, k, copy in zip(positions, shared, copies):
+                if k not in distinct:
+                    distinct[k] = copy.clone()
+                    if requires[k] and (copy.is_floating_point() or copy.is_complex()):
+                        leaf = copy.clone().requires_grad_(True)
+                        leaves.append(leaf)
+                        distinct[k] = leaf.clone()  # not a leaf, as the traced call's are not
+                values[i] = distinct[k]
+            call_args, call_kwargs = pytree.tree_unflatten(values, spec)
+            saved: list[int] = []
+
+            def pack(t: torch.Tensor):
+                saved.append(len(saved))
+                return len(saved) - 1, t
+
+            def unpack(packed):
+                index, t = packed
+                return torch.full_like(t, float("nan")) if index == slot and t.is_floating_point() else t
+
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.enable_grad())
+                for device, dtype, cache in autocast:
+                    if device == "cpu":
+                        stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+                out = func(*call_args, **call_kwargs)
+            outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+            if slot >= len(saved) or not outs or not leaves:
+                return None  # saves what the trace did not: not the call measured
+            grads = torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True)
+            if any(g is not None and bool(torch.isnan(g).any()) for g in grads):
+                found.add(slot)
+        return frozenset(found)
+
+    rng = torch.random.get_rng_state()
+    try:
+        return read_slots()
+    except Exception:  # noqa: BLE001 - whatever the call raises on the CPU: not measured
+        return None
+    finally:
+        torch.random.set_rng_state(rng)
+
+
+def _used(marker: fx.Node) -> bool:
+    """Whether ``marker``'s value, or its shape, reaches a gradient backward returns."""
+    return any(user.op == "output" for node in (marker, *_downstream(marker)) for user in node.users)
 
 
 def _written(graph: fx.Graph) -> set[fx.Node]:

@@ -466,7 +466,12 @@ def test_one_byte_buffers_without_a_bound_are_kept_as_they_are():
 @pytest.mark.parametrize(
     ("func", "kinds"),
     [
-        (lambda a, b: a / b, ["keep", 1]),  # the denominator, then the numerator (linear)
+        # The denominator, then the numerator: linear, but its rounding is divided by b
+        (lambda a, b: a / b, ["keep", "keep"]),
+        (lambda a, b: a / b.sum(1, keepdim=True), ["keep", 1]),  # divided by a row's scale
+        (lambda a, b: torch.cumprod(b, 1), ["keep", "keep"]),  # backward: result / input
+        # The same, by a branch the trace misses (measured on the call's values)
+        (lambda a, b: torch.prod(b[:4], 0), ["keep", "keep"]),
         (lambda a, b: torch.log(b), ["keep"]),
         (lambda a, b: torch.log1p(b), ["keep"]),
         (lambda a, b: torch.asin(b / 2), ["keep"]),  # near the edge of its domain
