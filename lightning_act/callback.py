@@ -4,6 +4,7 @@ an adaptive policy, recalibrates the bits of each saved tensor every N steps."""
 from __future__ import annotations
 
 import functools
+import gc
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -273,6 +274,10 @@ class ActCompression(Callback):
         self._fit_started = time.perf_counter()
         if self.targeted:
             self.policy.restart()  # measured afresh in each fit
+            # An earlier fit's trainer, model and optimizer state in one process (a sweep, a
+            # batch-size search) sit in reference cycles until the collector runs: a seed's
+            # run after two earlier fits peaked 5 MiB (22%) higher with them, 22.83 without.
+            gc.collect()
         if self.adaptive and self.estimator in _PROBE_METHODS and not pl_module.automatic_optimization:
             rank_zero_warn(
                 f"lightning_act: estimator={self.estimator!r} needs automatic optimization (it calls training_step "
