@@ -1270,7 +1270,8 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
         # Unpacked, and reaching no gradient as traced: torch's formula may branch on what it
         # is given (prod's backward, for a tensor subclass such as the fake ones traced,
         # avoids dividing by the input; for real ones it reads ``result / input``).
-        read_for_real = _slots_read_for_real(func, flat, spec, positions, shared, requires, autocast, unused)
+        read_for_real = _slots_read_for_real(func, flat, spec, positions, shared, requires, autocast, len(saves),
+                                             unused)
         for slot in unused:
             if read_for_real is None or slot in read_for_real:
                 reads[slot] = Read(Use.SINGULAR, reason=_UNTRACED_BRANCH)
@@ -1282,53 +1283,73 @@ _UNTRACED_BRANCH = "read by a branch the trace did not take"
 
 
 def _slots_read_for_real(func: Callable, flat: list, spec, positions: list[int], shared: list[int],
-                         requires: list[bool], autocast: tuple, slots: list[int]) -> frozenset[int] | None:
+                         requires: list[bool], autocast: tuple, saves: int, slots: list[int]) -> frozenset[int] | None:
     """Of ``slots``, the saves whose values the call's real backward reads: each in turn is
-    handed back as NaN, and a gradient that turns NaN read it. Run once per call signature,
-    beside its trace (a thread of its own, outside the capture's hooks), on CPU copies of the
-    call's own arguments: values the call already ran on, so no forked process is needed
-    (nor can one run backward once autograd's threads have started). None where it cannot be
-    measured (an op with no CPU kernel, a call that saves other tensors on the CPU)."""
+    handed back as NaN, then as other values; a gradient that turns NaN (read through
+    arithmetic) or changes (read through a comparison, where NaN compares false) read it.
+    Run once per call signature, beside its trace (a thread of its own, outside the
+    capture's hooks), on CPU copies of the call's own arguments: values the call already ran
+    on, so no forked process is needed (nor can one run backward once autograd's threads
+    have started). None where it cannot be measured (an op with no CPU kernel, a call that
+    saves other tensors than its ``saves`` traced ones on the CPU)."""
     tensors = [flat[i] for i in positions]
     if sum(t.numel() for t in tensors) > _PROBE_NUMEL:
         return None
     copies = [t.detach().to("cpu", copy=True) for t in tensors]
+    generator = torch.Generator().manual_seed(0)
+
+    def gradients(slot: int | None, replace: Callable[[torch.Tensor], torch.Tensor]) -> list | None:
+        values, distinct, leaves = list(flat), {}, []
+        for i, k, copy in zip(positions, shared, copies):
+            if k not in distinct:
+                distinct[k] = copy.clone()
+                if requires[k] and (copy.is_floating_point() or copy.is_complex()):
+                    leaf = copy.clone().requires_grad_(True)
+                    leaves.append(leaf)
+                    distinct[k] = leaf.clone()  # not a leaf, as the traced call's are not
+            values[i] = distinct[k]
+        call_args, call_kwargs = pytree.tree_unflatten(values, spec)
+        count = [0]
+
+        def pack(t: torch.Tensor):
+            count[0] += 1
+            return count[0] - 1, t
+
+        def unpack(packed):
+            index, t = packed
+            return replace(t) if index == slot and t.is_floating_point() else t
+
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.enable_grad())
+            for device, dtype, cache in autocast:
+                if device == "cpu":
+                    stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+            out = func(*call_args, **call_kwargs)
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+        if count[0] != saves or not outs or not leaves:
+            return None  # not the call traced
+        return list(torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True))
+
+    def nan(t: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(t, float("nan"))
+
+    def other(t: torch.Tensor) -> torch.Tensor:
+        return torch.randn(t.shape, generator=generator, dtype=t.dtype) * (1 + t.abs().amax()) if t.numel() else t
 
     def read_slots() -> frozenset[int] | None:
+        exact = gradients(None, nan)
+        if exact is None:
+            return None
         found = set()
         for slot in slots:
-            values, distinct, leaves = list(flat), {}, []
-            for i, k, copy in zip(positions, shared, copies):
-                if k not in distinct:
-                    distinct[k] = copy.clone()
-                    if requires[k] and (copy.is_floating_point() or copy.is_complex()):
-                        leaf = copy.clone().requires_grad_(True)
-                        leaves.append(leaf)
-                        distinct[k] = leaf.clone()  # not a leaf, as the traced call's are not
-                values[i] = distinct[k]
-            call_args, call_kwargs = pytree.tree_unflatten(values, spec)
-            saved: list[int] = []
-
-            def pack(t: torch.Tensor):
-                saved.append(len(saved))
-                return len(saved) - 1, t
-
-            def unpack(packed):
-                index, t = packed
-                return torch.full_like(t, float("nan")) if index == slot and t.is_floating_point() else t
-
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(torch.enable_grad())
-                for device, dtype, cache in autocast:
-                    if device == "cpu":
-                        stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
-                out = func(*call_args, **call_kwargs)
-            outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.grad_fn is not None]
-            if slot >= len(saved) or not outs or not leaves:
-                return None  # saves what the trace did not: not the call measured
-            grads = torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True)
-            if any(g is not None and bool(torch.isnan(g).any()) for g in grads):
+            poisoned, moved = gradients(slot, nan), gradients(slot, other)
+            if poisoned is None or moved is None:
+                return None
+            if any(g is not None and (bool(torch.isnan(g).any()) or not torch.equal(g, m))
+                   for g, m in zip(poisoned, moved)) or any(
+                    (g is None) != (e is None) or (g is not None and not torch.equal(g, e))
+                    for g, e in zip(moved, exact)):
                 found.add(slot)
         return frozenset(found)
 
