@@ -5,6 +5,7 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_act import ActivationCapture, CompressionConfig, compress_activations
@@ -331,6 +332,29 @@ def test_a_shared_storage_run_is_stored_again_for_a_module_pinned_to_more_bits(r
     else:
         assert bits == {"first": 2, "pinned": None if rule == "exact" else 8}
         assert capture.report.counts.get("deduplicated", 0) == 0
+
+
+def test_an_exact_slot_viewing_part_of_a_storage_keeps_its_own_values_not_the_storage():
+    """A gate's half of a projection's output (an attention's value, a third of ``qkv``):
+    kept exact as a view, it held the whole projection alive; kept as a copy, its own bytes,
+    and the same gradient."""
+
+    class Gate(nn.Module):
+        def forward(self, x, scale, weight):
+            kept, other = F.linear(x, weight).chunk(2, dim=-1)
+            return (kept * scale).sum() + other.sum()
+
+    torch.manual_seed(0)
+    model = Gate()
+    x, scale = torch.randn(64, 32), torch.randn(64, 256, requires_grad=True)
+    weight = torch.randn(512, 32, requires_grad=True)
+    exact_grads = torch.autograd.grad(model(x, scale, weight), (scale, weight))
+    capture = ActivationCapture(CompressionConfig(bits=2, min_numel=0), model, FixedBits(2, {"op:mul": "exact"}))
+    with capture.capturing(inputs=(x, scale)):
+        loss = model(x, scale, weight)
+    assert capture.report.stored_bytes == 64 * 256 * 4  # the half, not the projection's 64 x 512
+    for grad, exact in zip(torch.autograd.grad(loss, (scale, weight)), exact_grads):
+        assert torch.equal(grad, exact)
 
 
 def test_dedup_is_not_fooled_by_a_reused_address():

@@ -604,8 +604,10 @@ class ActivationCapture:
         ref = table.get(ptr)
         return ref is not None and not ref.expired()
 
-    def _account(self, module: str, t: torch.Tensor, outcome: Outcome, stored: int) -> ModuleMemory:
-        """Add one saved tensor to the report; its storage counts once however often saved."""
+    def _account(self, module: str, t: torch.Tensor, outcome: Outcome, stored: int, copied: bool = False
+                 ) -> ModuleMemory:
+        """Add one saved tensor to the report; its storage counts once however often saved.
+        ``copied``: a tensor its outcome keeps, kept as a copy of ``stored`` bytes instead."""
         report = self.report
         value = outcome.value
         report.counts[value] = report.counts.get(value, 0) + 1
@@ -622,7 +624,7 @@ class ActivationCapture:
             nbytes = storage.nbytes()
             report.saved_bytes += nbytes
             stats.saved_bytes += nbytes
-        if outcome.keeps_storage:
+        if outcome.keeps_storage and not copied:
             if self._live(self._kept_storages, ptr):
                 return stats
             self._kept_storages[ptr] = self._saved_storages[ptr]
@@ -895,7 +897,8 @@ class ActivationCapture:
 
     def _store(self, t: torch.Tensor, dense: torch.Tensor, decision: Decision, module: str, op: str | None) -> Any:
         """A floating-point tensor: its slot, then its codec and bits from the rules and policy."""
-        layout = decision.layout
+        layout = laid_out = decision.layout
+        kept_copy = dense  # what an exact slot keeps where ``t`` is a view of a larger storage
         slot = self._next_slot(module)
         codec = self._codec_for(module, op, decision)
         if decision.row_layout is not None and isinstance(codec, GroupQuantCodec):
@@ -936,10 +939,7 @@ class ActivationCapture:
                               restorer)
         dense_bytes = layout.numel * dense.element_size()  # without the padding of rows
         if bits is None:
-            memory = self._account(module, t, Outcome.EXACT, 0)
-            memory.bits.add(None)
-            self.report.slots[slot] = SlotMemory(module, tuple(t.shape), None, dense_bytes, dense_bytes, "stored", op)
-            return t.detach()
+            return self._store_exact(t, kept_copy, laid_out, module, op, slot, dense_bytes)
         self._packs += 1
         seed = splitmix64(self._seed + self._packs) >> 1
         record = codec.pack(dense, bits, seed) if group_axis is None else codec.pack(dense, bits, seed, group_axis)
@@ -955,6 +955,26 @@ class ActivationCapture:
         self.report.slots[slot] = SlotMemory(module, tuple(t.shape), bits, dense_bytes, record.nbytes, record.codec, op)
         return Compressed(record, layout, restorer, slot)
 
+
+    def _store_exact(self, t: torch.Tensor, dense: torch.Tensor, layout: Layout, module: str, op: str | None,
+                     slot: str, dense_bytes: int) -> Any:
+        """A slot the policy or a rule keeps exact: ``t`` itself, or, where ``t`` views part of
+        a storage nothing else keeps for backward, a copy of its own values. Kept as a view, an
+        attention's value, a third of the ``qkv`` projection's output, held all of it: two
+        such slots stored 4 MiB where a plan counted 2, and the step after a memory target's
+        recalibration peaked 4% over the target."""
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if storage.nbytes() <= dense_bytes or self._live(self._kept_storages, ptr):
+            memory = self._account(module, t, Outcome.EXACT, 0)
+            saved = t.detach()
+        else:
+            copy = dense if dense is not t else t.clone()
+            memory = self._account(module, t, Outcome.EXACT, dense_bytes, copied=True)
+            saved = Compressed(KeptRecord(copy.detach()), layout)
+        memory.bits.add(None)
+        self.report.slots[slot] = SlotMemory(module, tuple(t.shape), None, dense_bytes, dense_bytes, "stored", op)
+        return saved
 
 
 def _hold_until_read(t: torch.Tensor) -> None:
