@@ -218,8 +218,8 @@ _SMOOTH = frozenset(
      "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool2d", "adaptive_max_pool3d"}
 )
 _EXPONENTIALS = frozenset({"exp", "exp2", "expm1"})
-# Views that may repeat values (a divisor's shape before them is what it holds).
-_BROADCASTING_VIEWS = frozenset({"expand", "expand_copy", "view", "reshape", "_unsafe_view", "unsqueeze",
+# Views a divisor is followed back through to the values it holds (an ``expand`` repeats them).
+_DIVISOR_VIEWS = frozenset({"expand", "expand_copy", "view", "reshape", "_unsafe_view", "unsqueeze",
                                  "squeeze", "permute", "transpose", "alias", "detach"})
 # Backward kernels that aten does not decompose, by schema argument name.
 _ATTENTION_SCORES = frozenset({"query", "key", "logsumexp"})
@@ -308,7 +308,7 @@ class _Walk:
             return False
         # Back through views, and through a read marker to the forward's tensor it reads
         # (the marker's own value is laid out anew).
-        while divisor.op == "call_function" and (_is_marker(divisor) or _name(divisor.target) in _BROADCASTING_VIEWS):
+        while divisor.op == "call_function" and (_is_marker(divisor) or _name(divisor.target) in _DIVISOR_VIEWS):
             divisor = divisor.args[0]
             if not isinstance(divisor, fx.Node):
                 return False
@@ -1298,7 +1298,8 @@ def _slots_read_for_real(func: Callable, flat: list, spec, positions: list[int],
     copies = [t.detach().to("cpu", copy=True) for t in tensors]
     generator = torch.Generator().manual_seed(0)
 
-    def gradients(slot: int | None, replace: Callable[[torch.Tensor], torch.Tensor]) -> list | None:
+    def gradients(slot: int | None = None, replace: Callable[[torch.Tensor], torch.Tensor] | None = None
+                  ) -> list | None:
         values, distinct, leaves = list(flat), {}, []
         for i, k, copy in zip(positions, shared, copies):
             if k not in distinct:
@@ -1338,7 +1339,7 @@ def _slots_read_for_real(func: Callable, flat: list, spec, positions: list[int],
         return torch.randn(t.shape, generator=generator, dtype=t.dtype) * (1 + t.abs().amax()) if t.numel() else t
 
     def read_slots() -> frozenset[int] | None:
-        exact = gradients(None, nan)
+        exact = gradients()
         if exact is None:
             return None
         found = set()

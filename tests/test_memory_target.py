@@ -11,7 +11,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_act import ActCompression, ActivationCapture, CompressionConfig, MemoryTarget, MemoryTargetError
-from lightning_act.monitor import StepPeakMemory
 from lightning_act.ops import ensure_kernels, loaded_kernels
 from lightning_act.policy import EXACT, SlotInfo, TargetBits, parse_memory_target
 from lightning_act.policy.allocation import storage_bits

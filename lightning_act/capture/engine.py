@@ -955,7 +955,6 @@ class ActivationCapture:
         self.report.slots[slot] = SlotMemory(module, tuple(t.shape), bits, dense_bytes, record.nbytes, record.codec, op)
         return Compressed(record, layout, restorer, slot)
 
-
     def _store_exact(self, t: torch.Tensor, dense: torch.Tensor, layout: Layout, module: str, op: str | None,
                      slot: str, dense_bytes: int) -> Any:
         """A slot the policy or a rule keeps exact: ``t`` itself, or, where ``t`` views part of

@@ -11,8 +11,8 @@ within the storage the target leaves, closed loop on the peak each step measures
    later steps keep (the optimizer's state, gradients held through the next forward), so
    its peak understates theirs: the plan moves from the second step's peak on.
 2. After a step under the target, the tensors may use ``(aim - measured) / slope`` more bytes
-   than that step's plan used (where that is ``MIN_MOVE_SHARE`` more or better). In eager mode a stored byte more raises the peak by at most
-   one byte (slope one): the records are at most all alive at once at the peak, and a tensor
+   than that step's plan used (where that is ``MIN_MOVE_SHARE`` more or better). In eager
+   mode a stored byte more raises the peak by at most one byte (slope one): the records are at most all alive at once at the peak, and a tensor
    stored with more bits needs no larger buffer to decode. So a move up from a plan that
    fitted fits too, and each move closes a share of the gap, the share of the records alive
    at the peak. Under ``torch.compile`` the plan also changes what the partitioner saves,
