@@ -301,6 +301,8 @@ class ActCompression(Callback):
         # Reproducible per step and distinct per rank and micro-batch: resuming a run
         # replays the same rounding noise, and ranks do not share (correlated) noise.
         stream = splitmix64((trainer.global_step << 24) ^ (batch_idx << 8) ^ trainer.global_rank)
+        if self.targeted:
+            self._step_peak.watch_updates(trainer.optimizers)
         self._step_peak.start()  # after the probes: their memory is not the step's
         self.capture.start(inputs=batch, seed=splitmix64(self.config.seed ^ stream))
         if getattr(pl_module, "_compiler_ctx", None) is not None:  # trainer.fit(torch.compile(module))
@@ -410,6 +412,7 @@ class ActCompression(Callback):
         self._stop_following_batch_size_search(pl_module)  # Tuner's search ends the fit before on_fit_start
         if self.capture is not None and stage == "fit":
             self.capture.close()
+            self._step_peak.close()
 
     # ----------------------------------------------------------------- recalibration
     def _recalibrate_by_probes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
@@ -516,8 +519,10 @@ class ActCompression(Callback):
         peak = self.last_peak_bytes
         if peak is None:
             return {}
+        lasting = self._step_peak.lasting_peak_bytes()
         if trainer.world_size > 1:  # every rank must fit: the highest peak decides
-            peak = int(trainer.strategy.reduce(torch.tensor(float(peak), device=pl_module.device), reduce_op="max"))
+            peaks = torch.tensor([float(peak), float(lasting)], device=pl_module.device)
+            peak, lasting = map(int, trainer.strategy.reduce(peaks, reduce_op="max").tolist())
         figures = {f"{LOG_PREFIX}/memory_target_mib": self.policy.target_bytes / MIB}
         if self.policy.predicted_peak is not None:
             figures[f"{LOG_PREFIX}/predicted_peak_mib"] = self.policy.predicted_peak / MIB
@@ -525,10 +530,10 @@ class ActCompression(Callback):
             # Compiling allocates in the step it happens in (inductor's constants, autotuning
             # buffers): that step's peak is not the plan's, and the next one measures it.
             return figures
-        verdict = self.policy.observe(peak, self.capture.slots)
+        verdict = self.policy.observe(lasting, self.capture.slots)
         if verdict is Verdict.UNREACHABLE:
             self.policy.restart()  # a batch-size search goes on with a smaller batch
-            raise MemoryTargetError(self._unreachable(trainer, pl_module, batch, report, peak))
+            raise MemoryTargetError(self._unreachable(trainer, pl_module, batch, report, peak, lasting))
         if verdict is Verdict.MOVE:
             planned = dict(self.policy.assignment)
             assignment = self.policy.update(self.sensitivity, self.capture.slots) if trainer.is_global_zero else None
@@ -548,10 +553,10 @@ class ActCompression(Callback):
         return figures
 
     def _unreachable(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                     report: CompressionReport, peak: int) -> str:
+                     report: CompressionReport, peak: int, lasting_peak: int) -> str:
         held = step_holdings(pl_module, trainer.optimizers, tensors_in(batch), report.stored_bytes)
-        return unreachable_message(self.memory_target, self.policy.target_bytes, peak, trainer.global_step,
-                                   self._step_peak.source, held, pl_module.device.type)
+        return unreachable_message(self.memory_target, self.policy.target_bytes, peak, lasting_peak,
+                                   trainer.global_step, self._step_peak.source, held, pl_module.device.type)
 
     def _target_summary(self) -> list[str]:
         policy = self.policy

@@ -48,6 +48,10 @@ class StepPeakMemory:
     def __init__(self, device: torch.device, model: torch.nn.Module | None = None):
         self.device = device
         self._untracked = 0
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._update_hooks: list = []
+        self._stated_at_start: set[int] = set()
+        self._update_peak: int | None = None
         self._resident = device.type == "cpu" and _resident_high_water_mark() is not None and _reset_high_water_mark()
         #: Whether the figure counts live tensors only.
         self.exact = True
@@ -62,6 +66,22 @@ class StepPeakMemory:
             self.exact = False
             self.source = "resident high-water mark (VmHWM)" if self._resident else None
 
+    def watch_updates(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Also measure, in each step, the peak before the optimizers' first update and the
+        state they allocate (see :meth:`lasting_peak_bytes`)."""
+        optimizers = list(optimizers)
+        if optimizers == self._optimizers:
+            return
+        self.close()
+        self._optimizers = optimizers
+        self._update_hooks = [optimizer.register_step_pre_hook(self._before_update) for optimizer in optimizers]
+
+    def close(self) -> None:
+        """Stop watching the optimizers."""
+        for hook in self._update_hooks:
+            hook.remove()
+        self._optimizers, self._update_hooks = [], []
+
     def start(self) -> None:
         """Begin a step: the peak from now on."""
         if self.device.type == "cuda":
@@ -70,6 +90,12 @@ class StepPeakMemory:
             torch.ops.lightning_act.live_memory_reset_peak()
         if self._resident:
             _reset_high_water_mark()
+        self._update_peak = None
+        self._stated_at_start = {id(p) for optimizer in self._optimizers for p in optimizer.state}
+
+    def _before_update(self, optimizer, args, kwargs) -> None:
+        if self._update_peak is None:
+            self._update_peak = self.peak_bytes()
 
     def peak_bytes(self) -> int | None:
         """The highest memory since :meth:`start` (None where it cannot be measured)."""
@@ -78,6 +104,21 @@ class StepPeakMemory:
         if self.exact:
             return torch.ops.lightning_act.live_memory_read()[1] + self._untracked
         return self.resident_peak_bytes()
+
+    def lasting_peak_bytes(self) -> int | None:
+        """The peak every later step of the same work reaches at least: this step's, or, where
+        its optimizers allocated state (lazily, in the first update, after the step's peak),
+        the peak before that update with the new state held, as it is through every later
+        step. (Adam's state after a first step that peaked in backward: the second step peaks
+        higher by the state's bytes.)"""
+        peak = self.peak_bytes()
+        if peak is None or self._update_peak is None:
+            return peak
+        new_state = storage_bytes(
+            value for optimizer in self._optimizers for p, state in optimizer.state.items()
+            if id(p) not in self._stated_at_start for value in state.values() if isinstance(value, torch.Tensor)
+        )
+        return max(peak, self._update_peak + new_state)
 
     def resident_peak_bytes(self) -> int | None:
         """On a Linux CPU, the process's resident high-water mark since :meth:`start`."""

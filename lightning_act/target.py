@@ -68,6 +68,7 @@ class MemoryTarget:
         self.model = model
         self.optimizers = list(optimizers)
         self.meter = StepPeakMemory(device, model)
+        self.meter.watch_updates(self.optimizers)
         #: Per slot, the variance it adds at each bit width (from :meth:`calibrate`).
         self.sensitivity: dict[str, dict[int, float]] = {}
         #: Steps run so far, and the last one's peak in bytes (None where it cannot be measured).
@@ -93,16 +94,18 @@ class MemoryTarget:
         self.last_peak_bytes = self.meter.peak_bytes()
         if self.last_peak_bytes is None or self.capture.compiled_in_session:
             return  # not measurable here, or the compiler's own allocations are in this step
-        verdict = self.policy.observe(self.last_peak_bytes, self.capture.slots)
+        lasting = self.meter.lasting_peak_bytes()
+        verdict = self.policy.observe(lasting, self.capture.slots)
         if verdict is Verdict.UNREACHABLE:
             self.policy.restart()  # a smaller batch next is measured afresh
-            raise MemoryTargetError(self._unreachable(inputs))
+            raise MemoryTargetError(self._unreachable(inputs, lasting))
         if verdict is Verdict.MOVE:
             self.policy.update(self.sensitivity, self.capture.slots)
 
     def close(self) -> None:
         """Release the capture: the model runs as it did before."""
         self.capture.close()
+        self.meter.close()
 
     def calibrate(self, loss_fn: Callable[[], torch.Tensor], inputs: Any = None) -> None:
         """Measure each saved tensor's sensitivity on a small batch (``loss_fn`` runs its
@@ -110,7 +113,7 @@ class MemoryTarget:
         self.sensitivity = self.capture.measure_sensitivity(loss_fn, inputs, self.optimizers)
         self.policy.update(self.sensitivity, self.capture.slots)
 
-    def _unreachable(self, inputs: Any) -> str:
+    def _unreachable(self, inputs: Any, lasting_peak: int) -> str:
         held = step_holdings(self.model, self.optimizers, tensors_in(inputs), self.capture.report.stored_bytes)
-        return unreachable_message(self.target, self.policy.target_bytes, self.last_peak_bytes, self.steps,
-                                   self.meter.source, held, self.meter.device.type)
+        return unreachable_message(self.target, self.policy.target_bytes, self.last_peak_bytes, lasting_peak,
+                                   self.steps, self.meter.source, held, self.meter.device.type)

@@ -533,6 +533,7 @@ def test_a_new_process_loads_the_graph_from_the_aot_autograd_cache(tmp_path):
     assert first_hits == 0 and second_hits == 1
 
 
+@pytest.mark.slow  # Dynamo's RNN fallback: 8 s
 def test_a_compiled_gru_runs_with_the_op_tracker_active():
     """Dynamo does not trace RNNs: it runs ``nn.GRU`` eagerly. With the op tracker active that
     fallback failed with ``zeros(): argument 'dtype' must be torch.dtype, not int``."""
@@ -1028,6 +1029,7 @@ class SpeechHead(nn.Module):
         return F.ctc_loss(log_probs, targets, input_lengths, target_lengths)
 
 
+@pytest.mark.slow  # a graph break at CTC: 8 s
 def test_what_eager_code_in_a_compiled_module_saves_unseen_is_kept_exact():
     """The op tracker is off while a compiled module runs, so an op run eagerly at a graph
     break saves unseen: its float saves are kept exact (stored at the 8 bits of a save
@@ -1106,6 +1108,7 @@ class Recurrent(nn.Module):
         return self.head(self.rnn(self.embed(tokens))[0])
 
 
+@pytest.mark.slow  # a graph break in nn.GRU: 8 s
 def test_a_recurrent_submodule_of_a_compiled_model_is_kept_exact_and_said():
     """Dynamo breaks the graph inside ``nn.GRU``'s forward and runs the rest eagerly, where no
     module hook turns the op tracker back on: its saves go unseen, kept exact, and the

@@ -6,10 +6,14 @@ target, :class:`TargetBits` chooses each compressible saved tensor's bits (its f
 within the storage the target leaves, closed loop on the peak each step measures:
 
 1. The first two steps (and the first two after a restart) run every tensor at its floor:
-   the least reachable peak. If two steps in a row at the floor are over the target, it
-   cannot be met at this batch (:attr:`Verdict.UNREACHABLE`). The first step allocates what
-   later steps keep (the optimizer's state, gradients held through the next forward), so
-   its peak understates theirs: the plan moves from the second step's peak on.
+   the least reachable peak. If a step at the floor is over the target, it cannot be met at
+   this batch (:attr:`Verdict.UNREACHABLE`), from the first step on: the peak it is judged
+   by counts the optimizer state the step allocated as held from its start, as it is in
+   every later step (:meth:`~lightning_act.monitor.StepPeakMemory.lasting_peak_bytes`). A
+   step that compiles is not judged (the compiler's own allocations are in it). The first
+   step allocates what later steps keep (the optimizer's state, gradients held through the
+   next forward), so its peak understates theirs: the plan moves from the second step's
+   peak on.
 2. After a step under the target, the tensors may use ``(aim - measured) / slope`` more bytes
    than that step's plan used (where that is ``MIN_MOVE_SHARE`` more or better). In eager
    mode a stored byte more raises the peak by at most one byte (slope one): the records are at most all alive at once at the peak, and a tensor
@@ -116,21 +120,26 @@ class MemoryTargetError(RuntimeError):
     """A memory target below the least reachable peak of a step."""
 
 
-def unreachable_message(target: object, target_bytes: int, peak: int, step: int, source: str | None,
-                        held: Mapping[str, int], device_type: str) -> str:
-    """Why a target cannot be met: the least reachable peak (``peak``, measured at ``step``
-    by ``source`` with every tensor at its floor) and what occupies it (``held``: bytes by
-    what holds them; the rest of the peak is named as backward's buffers and temporaries)."""
+def unreachable_message(target: object, target_bytes: int, peak: int, lasting_peak: int, step: int,
+                        source: str | None, held: Mapping[str, int], device_type: str) -> str:
+    """Why a target cannot be met: the least reachable peak (``lasting_peak``: step ``step``,
+    measured by ``source`` with every tensor at its floor, peaked at ``peak``, and every later
+    step at least at ``lasting_peak``, with the optimizer state it allocated) and what
+    occupies it (``held``: bytes by what holds them; the rest is named as backward's buffers
+    and temporaries)."""
     parts = dict(held)
-    parts["backward's buffers, the optimizer's temporaries and the rest"] = max(peak - sum(held.values()), 0)
+    parts["backward's buffers, the optimizer's temporaries and the rest"] = max(lasting_peak - sum(held.values()), 0)
+    later = "" if lasting_peak <= peak else (
+        f", and every later step at least at {lasting_peak / 2**20:.1f} MiB, with the optimizer state this step "
+        "allocated held throughout")
     # Lightning's batch-size finder backs off on errors that read as running out of memory.
     oom = "CUDA out of memory" if device_type == "cuda" else "DefaultCPUAllocator: can't allocate memory"
     return (
         f"lightning_act: memory_target={target!r} ({target_bytes / 2**20:.1f} MiB) cannot be met at this batch: "
-        f"with every saved tensor at its lowest bits, step {step} peaked at {peak / 2**20:.1f} MiB ({source}), the "
-        "least reachable peak. It holds " + ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in parts.items())
-        + f". Raise the target to at least {peak / 2**20:.1f} MiB or lower the batch size. Raised as running out of "
-        f"memory ({oom}) so that Lightning's batch-size finder backs off."
+        f"with every saved tensor at its lowest bits, step {step} peaked at {peak / 2**20:.1f} MiB ({source}){later}: "
+        "the least reachable peak. It holds " + ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in parts.items())
+        + f". Raise the target to at least {lasting_peak / 2**20:.1f} MiB or lower the batch size. Raised as running "
+        f"out of memory ({oom}) so that Lightning's batch-size finder backs off."
     )
 
 
@@ -182,7 +191,6 @@ class TargetBits(AllocatedBits):
         self.plans_left: int | None = None
         self._measured_steps = 0
         self._measured_total = 0.0
-        self._floor_overs = 0  # steps in a row at the floor over the target
         # The least storage (bits) a step was measured over the target with: no plan goes back
         # to it, so a plan does not swing between over and under (None: none was over).
         self._ceiling: float | None = None
@@ -213,7 +221,6 @@ class TargetBits(AllocatedBits):
         self._measured_storage = {}
         self._measured_steps = 0
         self._measured_total = 0.0
-        self._floor_overs = 0
         self._ceiling = None
         self._stalled = self._moving = False
         self._planned_batch_bytes = None
@@ -237,11 +244,7 @@ class TargetBits(AllocatedBits):
             self._moving = True
             return Verdict.MOVE
         if peak_bytes > self.target_bytes:
-            # Two steps at the floor over the target, so that one step's own work (a compile,
-            # a first allocation of the optimizer's state) does not decide it alone.
-            self._floor_overs += 1
-            return Verdict.UNREACHABLE if self._floor_overs >= 2 else Verdict.FITS
-        self._floor_overs = 0
+            return Verdict.UNREACHABLE
         if self._measured_steps < 2 or self._stalled:
             return Verdict.FITS
         room = AIM * self.target_bytes - peak_bytes
