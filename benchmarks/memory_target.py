@@ -11,6 +11,9 @@ allocator, or on the CPU the counter around the CPU allocator), from a fresh mod
   ``checkpoint``: no compression, every block recomputed (``torch.utils.checkpoint``,
   non-reentrant); ``floor_checkpoint``: both (whether recomputation could take a target
   below the floor's peak);
+* compiled only: no compression, with torch's ``activation_memory_budget`` (the partitioner
+  recomputes until the saved activations are at most that share of its default's) at each
+  of ``BUDGETS``: the step time against the compiled floor's at the same peak;
 * ``ActCompression(memory_target=...)`` at targets spread from 2% above the floor's peak to
   above none's, at the checkpointing run's and the 2-bit run's peaks, and below the floor
   (which must fail at the first steps, naming the least reachable peak).
@@ -79,6 +82,9 @@ FLOOR_MARGIN = 1.02
 SHARES = (0.1, 0.35, 0.6, 0.85, 1.2)
 #: Steps that plan (two at the floor, then moves) before the steady ones.
 PLANNING_STEPS = 4
+#: torch's ``activation_memory_budget`` settings tried under compile (1.0, its default, is
+#: the compiled run without compression).
+BUDGETS = (0.5, 0.2, 0.05, 0.0)
 
 
 class _Task(L.LightningModule):
@@ -167,6 +173,13 @@ def measure_model(name: str, steps: int, device: torch.device, data_dir: Path, c
     targets = sorted(spread | {round(max(run["peaks_mib"][-1], lowest), 2) for run in (checkpoint, bits2)})
     row = {"title": MODELS[name].title, "batch": MODELS[name].batch, "none": none, "floor": floor, "bits2": bits2,
            "checkpoint": checkpoint, "floor_checkpoint": floor_checkpoint, "targets": {}}
+    if compiled:
+        row["memory_budget"] = {}
+        for budget in BUDGETS:
+            with torch._functorch.config.patch(activation_memory_budget=budget):
+                row["memory_budget"][f"{budget:g}"] = run = run_with()
+            logging.info("%s activation_memory_budget %g: %s, %.3f s/step", name, budget, run["peaks_mib"],
+                         run["step_s"])
     for target in [round(0.9 * floor_peak, 2), *targets]:
         run = run_with(ActCompression(memory_target=int(target * MIB)))
         peaks = run["peaks_mib"]
@@ -191,6 +204,10 @@ def table(results: dict) -> str:
             f"({row['checkpoint']['step_s']:.3f} s/step), every tensor at its floor with checkpointing "
             f"{row['floor_checkpoint']['peaks_mib'][-1]:.1f} MiB; a lower target never a higher final peak: "
             f"{'yes' if row['monotone'] else 'no'}\n",
+        ]
+        if "memory_budget" in row:
+            lines.append(_against_budget(row))
+        lines += [
             "| target MiB | peak of each step, MiB | every step <= target | steps 4+ >= 0.9 target | s/step |",
             "|---:|---|---|---|---:|",
         ]
@@ -203,6 +220,26 @@ def table(results: dict) -> str:
                          f"{'yes' if run['every_step_fits'] else 'no'} | {'yes' if run['steady_reaches_0.9'] else 'no'} "
                          f"| {run['step_s']:.3f} |")
     return "\n".join(lines)
+
+
+def _against_budget(row: dict) -> str:
+    """torch's ``activation_memory_budget`` runs beside the compiled floor's (where every
+    compiled target's plan stays): the fastest budget whose peak is no higher, if any."""
+    floor = row["floor"]
+    peak, seconds = floor["peaks_mib"][-1], floor["step_s"]
+    runs = ", ".join(f"{budget}: {run['peaks_mib'][-1]:.1f} MiB, {run['step_s']:.3f} s/step"
+                     for budget, run in row["memory_budget"].items())
+    fitting = [(run["step_s"], budget, run["peaks_mib"][-1]) for budget, run in row["memory_budget"].items()
+               if run["peaks_mib"][-1] <= peak]
+    if fitting:
+        fastest, budget, its_peak = min(fitting)
+        verdict = (f"at or under the floor's peak, the fastest is budget {budget}: {its_peak:.1f} MiB, "
+                   f"{fastest:.3f} s/step, {seconds / fastest:.2f}x the floor's time")
+    else:
+        lowest = min(run["peaks_mib"][-1] for run in row["memory_budget"].values())
+        verdict = f"no budget reaches the floor's peak (the lowest: {lowest:.1f} MiB)"
+    return (f"torch's activation_memory_budget, no compression ({runs}); the compiled floor {peak:.1f} MiB, "
+            f"{seconds:.3f} s/step: {verdict}\n")
 
 
 def main(argv: list[str] | None = None) -> None:

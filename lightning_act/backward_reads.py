@@ -121,11 +121,12 @@ class Read(NamedTuple):
 
 
 class Match(NamedTuple):
-    """Backward reads a saved tensor ``x`` only as ``x == other`` (or ``!=``), where ``other``
-    is computed from other tensors the same call saves: ``scatter_reduce``'s and ``amax``'s
-    ``x == result`` (gathered by the index, or with the reduced dimension put back). Then
-    ``where(x == other, other, nan)`` gives backward the same comparisons, from one bit per
-    element and the other saves."""
+    """Backward reads a saved tensor ``x`` only as ``x == other`` (or ``!=``), and perhaps as
+    ``isnan(x) & isnan(other)``, where ``other`` is computed from other tensors the same call
+    saves: ``scatter_reduce``'s and ``amax``'s ``x == result`` (gathered by the index, or with
+    the reduced dimension put back); ``max()``'s ``(x == result) | (isnan(x) & isnan(result))``,
+    which on a CPU reads ``isnan(x)`` alone where the result is NaN. The outcome ``matches``
+    stores, one bit per element, gives backward the same comparisons through :meth:`stand_in`."""
 
     #: The call's save numbers ``other`` is computed from, in the order ``compute`` takes them.
     partners: tuple[int, ...]
@@ -133,10 +134,19 @@ class Match(NamedTuple):
     #: traced backward, its views to the trace's sizes made views to the tensor's own).
     compute: fx.GraphModule
 
+    @staticmethod
+    def matches(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """Where ``x`` equals ``other`` or both are NaN."""
+        return torch.eq(x, other).logical_or_(torch.isnan(x).logical_and_(torch.isnan(other)))
+
     def stand_in(self, matched: torch.Tensor, partners: list[torch.Tensor]) -> torch.Tensor:
-        """What backward compares in place of the tensor: ``other`` where it matched."""
+        """What backward compares in place of the tensor: ``other`` where it matched, else a
+        value neither equal to ``other`` nor NaN where ``other`` is (NaN where it is not, 0
+        where it is); so ``x == other`` and ``isnan(x) & isnan(other)`` come out as for the
+        tensor itself, and ``isnan(x)`` too where ``other`` is NaN."""
         other = self.compute(matched.shape, *partners)
-        return torch.where(matched, other, torch.tensor(float("nan"), dtype=other.dtype, device=other.device))
+        nan = torch.tensor(float("nan"), dtype=other.dtype, device=other.device)
+        return torch.where(matched, other, torch.where(torch.isnan(other), torch.zeros_like(nan), nan))
 
 
 # --------------------------------------------------------------------------- the aten algebra
@@ -1389,6 +1399,7 @@ _MATCH_OTHER_OPS = frozenset({"detach", "alias", "gather", "index_select", "unsq
 _MATCH_VIEWS = frozenset({"view", "_unsafe_view", "reshape"})
 _MATCH_PASS = frozenset({"detach", "alias"})
 _EQUALITY = frozenset({"eq", "ne"})
+_AND = frozenset({"logical_and", "logical_and_", "bitwise_and", "bitwise_and_"})
 
 
 def _put_back_dims(result: torch.Tensor, shape: torch.Size, reduced: tuple[int, ...]) -> torch.Tensor:
@@ -1417,9 +1428,9 @@ def _with_matches(reads: list[Read], slots: dict[int, list[fx.Node]]) -> tuple[R
 
 
 def _match(slot: int, slots: dict[int, list[fx.Node]]) -> Match | None:
-    """The :class:`Match` of save ``slot`` if every read of it is ``x == other`` with one
-    ``other`` computed from other saves, else None."""
-    others, frontier = set(), list(slots[slot])
+    """The :class:`Match` of save ``slot`` if every read of it is ``x == other`` or
+    ``isnan(x) & isnan(other)``, with one ``other`` computed from other saves, else None."""
+    others, nan_others, frontier = set(), set(), list(slots[slot])
     while frontier:
         node = frontier.pop()
         for user in node.users:
@@ -1431,10 +1442,15 @@ def _match(slot: int, slots: dict[int, list[fx.Node]]) -> Match | None:
                 if not isinstance(other, fx.Node) or other is node:
                     return None
                 others.add(other)
+            elif name == "isnan":
+                nan_other = _and_isnan_of(user)
+                if nan_other is None:
+                    return None
+                nan_others.add(nan_other)
             else:
                 return None
     traced = slots[slot][0].meta.get("val")
-    if len(others) != 1 or not isinstance(traced, torch.Tensor):
+    if len(others) != 1 or not nan_others <= others or not isinstance(traced, torch.Tensor):
         return None
     (other,) = others
     marker_slots = {n: s for s, nodes in slots.items() for n in nodes}
@@ -1476,6 +1492,21 @@ def _match(slot: int, slots: dict[int, list[fx.Node]]) -> Match | None:
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(env[other])
     return Match(tuple(order), fx.GraphModule(torch.nn.Module(), graph))
+
+
+def _and_isnan_of(isnan: fx.Node) -> fx.Node | None:
+    """``o`` where every use of ``isnan`` is ``isnan & isnan(o)``, else None."""
+    found = set()
+    for user in isnan.users:
+        name = _name(user.target) if isinstance(user.target, torch._ops.OpOverload) else None
+        if name not in _AND or len(user.args) != 2 or user.kwargs:
+            return None
+        partner = user.args[1] if user.args[0] is isnan else user.args[0]
+        if not (isinstance(partner, fx.Node) and isinstance(partner.target, torch._ops.OpOverload)
+                and _name(partner.target) == "isnan" and isinstance(partner.args[0], fx.Node)):
+            return None
+        found.add(partner.args[0])
+    return found.pop() if len(found) == 1 else None
 
 
 def _reduced_dims(sizes: Any, traced: tuple[int, ...]) -> tuple[int, ...] | None:

@@ -730,11 +730,15 @@ _INDEX = torch.randint(0, 50, (400,), generator=torch.Generator().manual_seed(0)
     lambda v: torch.amax(v, 1),
     lambda v: torch.amax(v, -1, keepdim=True),
     lambda v: torch.amin(v.view(20, 20, 16), (0, 2)),
-], ids=["scatter_amax", "scatter_amin_in_place", "scatter_amax_with_self", "amax", "amax_keepdim", "amin_dims"])
+    lambda v: torch.max(v),
+    lambda v: torch.min(v[4:]),  # rows past the NaN
+], ids=["scatter_amax", "scatter_amin_in_place", "scatter_amax_with_self", "amax", "amax_keepdim", "amin_dims",
+        "max_of_all_nan", "min_of_all"])
 def test_a_tensor_backward_only_compares_with_a_reduction_is_stored_as_the_outcome(reduce):
     """Backward tests ``x == result`` (gathered by the index, or with the reduced dimensions
-    put back): one bit per element and the exact result give the same gradient, ties and
-    NaN included."""
+    put back), and for ``max()`` also ``isnan(x) & isnan(result)`` (on a CPU ``isnan(x)``
+    alone where the result is NaN): one bit per element and the exact result give the same
+    gradient, ties and NaN included."""
     torch.manual_seed(0)
     x = torch.randn(400, 16).round()  # ties: several elements equal to their maximum
     x[3, 5] = float("nan")

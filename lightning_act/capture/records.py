@@ -214,7 +214,8 @@ class MatchedSave:
     """What autograd holds for a tensor backward only compares for equality with a value its
     call computes from other saves (:class:`~lightning_act.backward_reads.Match`): once the
     partners are saved, the comparison's outcome at 1 bit per element and those partners'
-    own records; at unpack, ``other`` where it matched and NaN elsewhere, so that backward's
+    own records; at unpack, ``other`` where it matched and a value that matches nothing
+    elsewhere (:meth:`~lightning_act.backward_reads.Match.stand_in`), so that backward's
     comparisons, and so its gradients, come out as with the tensor itself. Until then, and
     for good where no outcome could be stored, the tensor itself."""
 
@@ -237,7 +238,7 @@ class MatchedSave:
                 return None
         except RuntimeError:  # a view the traced comparison made that this call's sizes cannot take
             return None
-        self.matched = MaskCodec().pack(torch.eq(self.tensor, other).contiguous(), 0, 0)
+        self.matched = MaskCodec().pack(self.match.matches(self.tensor, other).contiguous(), 0, 0)
         self.partners, self.tensor = partners, None
         return self.matched.nbytes
 
