@@ -302,7 +302,7 @@ class ActCompression(Callback):
         # replays the same rounding noise, and ranks do not share (correlated) noise.
         stream = splitmix64((trainer.global_step << 24) ^ (batch_idx << 8) ^ trainer.global_rank)
         if self.targeted:
-            self._step_peak.watch_updates(trainer.optimizers)
+            self._step_peak.follow_optimizers(trainer.optimizers, update_hooks=False)
         self._step_peak.start()  # after the probes: their memory is not the step's
         self.capture.start(inputs=batch, seed=splitmix64(self.config.seed ^ stream))
         if getattr(pl_module, "_compiler_ctx", None) is not None:  # trainer.fit(torch.compile(module))
@@ -318,6 +318,11 @@ class ActCompression(Callback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.capture is not None:
             self.capture.resume()
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        if self.capture is not None and self.capture.active:
+            self._step_peak.before_update()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx):
@@ -487,7 +492,8 @@ class ActCompression(Callback):
             )
 
     # ----------------------------------------------------------------- batch-size search
-    _STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end")
+    _STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+                   "on_train_batch_end")
 
     def _follow_batch_size_search(self, pl_module: pl.LightningModule) -> None:
         """Compress the trial steps of Lightning's batch-size search (``BatchSizeFinder``,

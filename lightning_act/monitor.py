@@ -66,18 +66,26 @@ class StepPeakMemory:
             self.exact = False
             self.source = "resident high-water mark (VmHWM)" if self._resident else None
 
-    def watch_updates(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """Also measure, in each step, the peak before the optimizers' first update and the
-        state they allocate (see :meth:`lasting_peak_bytes`)."""
+    def follow_optimizers(self, optimizers: Sequence[torch.optim.Optimizer], update_hooks: bool = True) -> None:
+        """Also measure, in each step, the state ``optimizers`` allocate and the peak before
+        their first update (see :meth:`lasting_peak_bytes`).
+
+        Args:
+            update_hooks: take that peak in the optimizers' step pre-hooks; else the caller
+                calls :meth:`before_update` (Lightning runs the forward and backward in a
+                closure inside ``optimizer.step``, after its pre-hooks).
+        """
         optimizers = list(optimizers)
         if optimizers == self._optimizers:
             return
         self.close()
         self._optimizers = optimizers
-        self._update_hooks = [optimizer.register_step_pre_hook(self._before_update) for optimizer in optimizers]
+        if update_hooks:
+            self._update_hooks = [optimizer.register_step_pre_hook(lambda *_: self.before_update())
+                                  for optimizer in optimizers]
 
     def close(self) -> None:
-        """Stop watching the optimizers."""
+        """Stop following the optimizers."""
         for hook in self._update_hooks:
             hook.remove()
         self._optimizers, self._update_hooks = [], []
@@ -93,7 +101,8 @@ class StepPeakMemory:
         self._update_peak = None
         self._stated_at_start = {id(p) for optimizer in self._optimizers for p in optimizer.state}
 
-    def _before_update(self, optimizer, args, kwargs) -> None:
+    def before_update(self) -> None:
+        """The optimizers are about to update the parameters (the first call in a step counts)."""
         if self._update_peak is None:
             self._update_peak = self.peak_bytes()
 

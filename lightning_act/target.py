@@ -68,7 +68,7 @@ class MemoryTarget:
         self.model = model
         self.optimizers = list(optimizers)
         self.meter = StepPeakMemory(device, model)
-        self.meter.watch_updates(self.optimizers)
+        self.meter.follow_optimizers(self.optimizers)
         #: Per slot, the variance it adds at each bit width (from :meth:`calibrate`).
         self.sensitivity: dict[str, dict[int, float]] = {}
         #: Steps run so far, and the last one's peak in bytes (None where it cannot be measured).

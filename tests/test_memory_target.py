@@ -239,6 +239,19 @@ def test_callback_names_the_least_reachable_peak():
         _fit(ActCompression(memory_target="1MiB", estimator="gradient"), 3)
 
 
+def test_callback_names_an_unreachable_target_at_the_first_step():
+    """Lightning runs the forward and backward inside ``optimizer.step``'s closure: the peak
+    before the update is taken where the callback hears of it. The first update allocates
+    the momentum, which every later step holds: a target under the second step's peak (the
+    floor's) but over the first's is unreachable, and said so at step 1."""
+    _live_counter()
+    first, second = _fit(ActCompression(bits=1, min_numel=1024), 2)
+    momentum = sum(p.numel() * 4 for p in _Mlp().parameters())
+    assert second - first > momentum / 2, (first, second, momentum)
+    with pytest.raises(MemoryTargetError, match=r"step 1 peaked .* every later step at least"):
+        _fit(ActCompression(memory_target=(first + second) // 2, min_numel=1024, estimator="gradient"), 3)
+
+
 def test_batch_size_finder_picks_a_batch_the_target_fits():
     """Power scaling from 16: the target lies between the floor peaks of batches 64 and 256,
     measured in this process (whose other live tensors count as well). The search runs
