@@ -525,7 +525,10 @@ class ActCompression(Callback):
         peak = self.last_peak_bytes
         if peak is None:
             return {}
-        lasting = self._step_peak.lasting_peak_bytes()
+        # Automatic optimization clears the gradients after the forward: a step's last
+        # gradients are held through the next step's forward (manual: wherever the user does).
+        forward_peak = self.last_forward_peak_bytes if pl_module.automatic_optimization else None
+        lasting = self._step_peak.lasting_peak_bytes(forward_peak)
         if trainer.world_size > 1:  # every rank must fit: the highest peak decides
             peaks = torch.tensor([float(peak), float(lasting)], device=pl_module.device)
             peak, lasting = map(int, trainer.strategy.reduce(peaks, reduce_op="max").tolist())

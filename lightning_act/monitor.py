@@ -50,7 +50,9 @@ class StepPeakMemory:
         self._untracked = 0
         self._optimizers: list[torch.optim.Optimizer] = []
         self._update_hooks: list = []
+        # Parameters with optimizer state, and with a gradient, when the step began.
         self._stated_at_start: set[int] = set()
+        self._graded_at_start: set[int] = set()
         self._update_peak: int | None = None
         self._resident = device.type == "cpu" and _resident_high_water_mark() is not None and _reset_high_water_mark()
         #: Whether the figure counts live tensors only.
@@ -100,6 +102,10 @@ class StepPeakMemory:
             _reset_high_water_mark()
         self._update_peak = None
         self._stated_at_start = {id(p) for optimizer in self._optimizers for p in optimizer.state}
+        self._graded_at_start = {id(p) for p in self._parameters() if p.grad is not None}
+
+    def _parameters(self):
+        return (p for optimizer in self._optimizers for group in optimizer.param_groups for p in group["params"])
 
     def before_update(self) -> None:
         """The optimizers are about to update the parameters (the first call in a step counts)."""
@@ -114,20 +120,29 @@ class StepPeakMemory:
             return torch.ops.lightning_act.live_memory_read()[1] + self._untracked
         return self.resident_peak_bytes()
 
-    def lasting_peak_bytes(self) -> int | None:
-        """The peak every later step of the same work reaches at least: this step's, or, where
-        its optimizers allocated state (lazily, in the first update, after the step's peak),
-        the peak before that update with the new state held, as it is through every later
-        step. (Adam's state after a first step that peaked in backward: the second step peaks
-        higher by the state's bytes.)"""
+    def lasting_peak_bytes(self, forward_peak: int | None = None) -> int | None:
+        """The peak every later step of the same work reaches at least. It is this step's,
+        or more where the step left something that later steps hold throughout: the state
+        its optimizers allocated (lazily, in the first update, after the step's peak) counts
+        from the peak before that update on; given ``forward_peak`` (the peak up to the end
+        of the forward, in a loop that clears gradients only after the next forward, as
+        Lightning's does), so do the gradients the step left that it did not begin with.
+        With SGD's momentum a first Lightning step of a ViT peaked at 44.3 MiB, the second at
+        64.8: 10.3 MiB of momentum and 10.3 of gradients more through its forward."""
         peak = self.peak_bytes()
-        if peak is None or self._update_peak is None:
+        if peak is None or (self._update_peak is None and forward_peak is None):
             return peak
         new_state = storage_bytes(
             value for optimizer in self._optimizers for p, state in optimizer.state.items()
             if id(p) not in self._stated_at_start for value in state.values() if isinstance(value, torch.Tensor)
         )
-        return max(peak, self._update_peak + new_state)
+        if self._update_peak is not None:
+            peak = max(peak, self._update_peak + new_state)
+        if forward_peak is not None:
+            new_gradients = storage_bytes(p.grad for p in self._parameters()
+                                          if p.grad is not None and id(p) not in self._graded_at_start)
+            peak = max(peak, forward_peak + new_state + new_gradients)
+        return peak
 
     def resident_peak_bytes(self) -> int | None:
         """On a Linux CPU, the process's resident high-water mark since :meth:`start`."""
