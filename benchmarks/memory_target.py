@@ -213,7 +213,7 @@ def table(results: dict) -> str:
         ]
         for target, run in row["targets"].items():
             if run["error"]:
-                lines.append(f"| {target} | {', '.join(map(str, run['peaks_mib']))} | error: "
+                lines.append(f"| {target} | {', '.join(map(str, run['peaks_mib'])) or 'none finished'} | error: "
                              f"{run['error'].split(': ', 1)[1].split('. It holds')[0]} | | |")
                 continue
             lines.append(f"| {target} | {', '.join(f'{p:.1f}' for p in run['peaks_mib'])} | "

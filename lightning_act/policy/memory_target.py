@@ -124,14 +124,13 @@ def unreachable_message(target: object, target_bytes: int, peak: int, lasting_pe
                         source: str | None, held: Mapping[str, int], device_type: str) -> str:
     """Why a target cannot be met: the least reachable peak (``lasting_peak``: step ``step``,
     measured by ``source`` with every tensor at its floor, peaked at ``peak``, and every later
-    step at least at ``lasting_peak``, with the optimizer state it allocated) and what
-    occupies it (``held``: bytes by what holds them; the rest is named as backward's buffers
+    step at least at ``lasting_peak``, holding what it left) and what occupies it (``held``: bytes by what holds them; the rest is named as backward's buffers
     and temporaries)."""
     parts = dict(held)
     parts["backward's buffers, the optimizer's temporaries and the rest"] = max(lasting_peak - sum(held.values()), 0)
     later = "" if lasting_peak <= peak else (
-        f", and every later step at least at {lasting_peak / 2**20:.1f} MiB, with the optimizer state this step "
-        "allocated held throughout")
+        f", and every later step at least at {lasting_peak / 2**20:.1f} MiB, holding the optimizer state (and "
+        "gradients) this step left")
     # Lightning's batch-size finder backs off on errors that read as running out of memory.
     oom = "CUDA out of memory" if device_type == "cuda" else "DefaultCPUAllocator: can't allocate memory"
     return (
