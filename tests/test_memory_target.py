@@ -332,8 +332,9 @@ def test_an_unreachable_target_is_named_at_the_first_step_with_the_state_it_allo
     (first, lasting), (second, _) = run(MemoryTarget(model, 10**12, optimizers=[optimizer], rules={"*": 1},
                                                      min_numel=1024), 2, optimizer)
     state = sum(v.nbytes for s in optimizer.state.values() for v in s.values())
-    # The second step's peak, but for what varies between steps (tens of KiB here).
-    assert second - first > state / 2 and lasting == pytest.approx(second, rel=0.01), (first, lasting, second)
+    # A lower bound of the second step's peak (which varies by a few hundred KiB between
+    # runs here), that holds the new state.
+    assert second - first > state / 2 and first + state / 2 < lasting <= 1.01 * second, (first, lasting, second)
     del optimizer
     gc.collect()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
