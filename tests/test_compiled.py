@@ -1123,3 +1123,7 @@ def test_a_recurrent_submodule_of_a_compiled_model_is_kept_exact_and_said():
         loss.backward()
     assert capture.report.counts["kept"] > 100  # its 24 steps' gates and states, unseen
     assert any("nn.GRU" in str(w.message) for w in caught)
+    # The GRU's eager code runs under Dynamo's frame hook, which compiled the pack hook at each
+    # save, recompiling on each tensor's storage address, until the hook was never compiled.
+    compiled = {metrics.co_name for metrics in torch._dynamo.utils.get_compilation_metrics()}
+    assert not any("_pack" in name for name in compiled), compiled

@@ -560,8 +560,12 @@ def _unpack(packed: Any, state: str) -> torch.Tensor:
 
 class _Hook(fx.GraphModule):
     """A hook graph. Called eagerly it runs its graph directly: through ``nn.Module.__call__``
-    the capture's global module hooks would see it as a module the model runs."""
+    the capture's global module hooks would see it as a module the model runs. Never compiled
+    by Dynamo's frame hook: code a compiled frame runs eagerly after a graph break (``nn.GRU``'s
+    forward in a model compiled whole) calls it at every save, and Dynamo compiled it there,
+    recompiling on each tensor's storage address until its limit."""
 
+    @torch.compiler.disable
     def __call__(self, *args):
         return self.forward(*args)
 
