@@ -273,6 +273,21 @@ def test_batch_size_finder_picks_a_batch_the_target_fits():
     assert max(peaks[-4:]) <= target
 
 
+def _plain_steps(model, loader, optimizer, target, steps):
+    """``steps`` hand-written training steps under ``target``: each one's peak and the peak
+    every later step reaches at least."""
+    peaks = []
+    for step, (x, y) in enumerate(loader):
+        if step == steps:
+            break
+        with target.step(inputs=x):
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        peaks.append((target.last_peak_bytes, target.meter.lasting_peak_bytes()))
+    return peaks
+
+
 def test_plain_loop_holds_every_step_under_the_target():
     """MemoryTarget without Lightning: the same loop, around a hand-written step."""
     _live_counter()
@@ -282,16 +297,7 @@ def test_plain_loop_holds_every_step_under_the_target():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def run(target, steps=8):
-        peaks = []
-        for step, (x, y) in enumerate(loader):
-            if step == steps:
-                break
-            with target.step(inputs=x):
-                nn.functional.cross_entropy(model(x), y).backward()
-                optimizer.step()
-                optimizer.zero_grad()
-            peaks.append(target.last_peak_bytes)
-        return peaks
+        return [peak for peak, _ in _plain_steps(model, loader, optimizer, target, steps)]
 
     gc.collect()
     floor = run(MemoryTarget(model, 10**12, optimizers=[optimizer], rules={"*": 1}, min_numel=1024), 3)[-1]
@@ -315,17 +321,10 @@ def test_an_unreachable_target_is_named_at_the_first_step_with_the_state_it_allo
     model, loader = module.net, module.train_dataloader()
 
     def run(target, steps, optimizer):
-        peaks = []
-        for step, (x, y) in enumerate(loader):
-            if step == steps:
-                break
-            with target.step(inputs=x):
-                nn.functional.cross_entropy(model(x), y).backward()
-                optimizer.step()
-                optimizer.zero_grad()
-            peaks.append((target.last_peak_bytes, target.meter.lasting_peak_bytes()))
-        target.close()
-        return peaks
+        try:
+            return _plain_steps(model, loader, optimizer, target, steps)
+        finally:
+            target.close()
 
     gc.collect()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)

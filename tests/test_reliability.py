@@ -30,7 +30,6 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_act import ActCompression, ActivationCapture, CompressionConfig, compress_activations
-from lightning_act.policy import FixedBits
 from tests.test_callback import SmallCNN, make_images
 
 ROOT = Path(__file__).resolve().parents[1]
