@@ -79,9 +79,10 @@ class ActCompression(Callback):
     lowest bits, then the plan moves after each step by what the measured peak leaves, and
     the tensors' sensitivity is measured after the first step and every
     ``recalibrate_every_n_steps``. Logged every step: ``memory_target_mib`` and
-    ``predicted_peak_mib`` beside ``peak_mib``. A target two steps at the lowest bits cannot
-    meet raises :class:`MemoryTargetError`, naming the least reachable peak and what occupies it; a
-    larger batch starts the loop again from the lowest bits, so Lightning's
+    ``predicted_peak_mib`` beside ``peak_mib``. A target that a step at the lowest bits cannot
+    meet, with what it leaves for later steps (optimizer state, gradients), raises
+    :class:`MemoryTargetError` from the first step on, naming the least reachable peak and what
+    occupies it; a larger batch starts the loop again from the lowest bits, so Lightning's
     ``BatchSizeFinder`` finds the largest batch that fits the target.
 
     Args:
