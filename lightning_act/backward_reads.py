@@ -133,11 +133,13 @@ class Match(NamedTuple):
     #: ``other`` from the tensor's shape and the partners' values (an aten graph cut from the
     #: traced backward, its views to the trace's sizes made views to the tensor's own).
     compute: fx.GraphModule
+    #: Whether backward also reads ``isnan(x)``: then both being NaN counts as a match.
+    reads_nan: bool = False
 
-    @staticmethod
-    def matches(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """Where ``x`` equals ``other`` or both are NaN."""
-        return torch.eq(x, other).logical_or_(torch.isnan(x).logical_and_(torch.isnan(other)))
+    def matches(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """Where ``x`` equals ``other`` (or, where backward reads ``isnan(x)``, both are NaN)."""
+        equal = torch.eq(x, other)
+        return equal.logical_or_(torch.isnan(x).logical_and_(torch.isnan(other))) if self.reads_nan else equal
 
     def stand_in(self, matched: torch.Tensor, partners: list[torch.Tensor]) -> torch.Tensor:
         """What backward compares in place of the tensor: ``other`` where it matched, else a
@@ -230,7 +232,7 @@ _SMOOTH = frozenset(
 _EXPONENTIALS = frozenset({"exp", "exp2", "expm1"})
 # Views a divisor is followed back through to the values it holds (an ``expand`` repeats them).
 _DIVISOR_VIEWS = frozenset({"expand", "expand_copy", "view", "reshape", "_unsafe_view", "unsqueeze",
-                                 "squeeze", "permute", "transpose", "alias", "detach"})
+                            "squeeze", "permute", "transpose", "alias", "detach"})
 # Backward kernels that aten does not decompose, by schema argument name.
 _ATTENTION_SCORES = frozenset({"query", "key", "logsumexp"})
 _ATTENTION_MASKS = frozenset({"attn_bias", "attn_mask"})
@@ -1491,7 +1493,7 @@ def _match(slot: int, slots: dict[int, list[fx.Node]]) -> Match | None:
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(env[other])
-    return Match(tuple(order), fx.GraphModule(torch.nn.Module(), graph))
+    return Match(tuple(order), fx.GraphModule(torch.nn.Module(), graph), bool(nan_others))
 
 
 def _and_isnan_of(isnan: fx.Node) -> fx.Node | None:
