@@ -311,12 +311,32 @@ class _Walk:
                 stack.extend(current.all_input_nodes)
         return False
 
+    def _counts(self, node: fx.Node) -> bool:
+        """Whether ``node`` is computed from boolean and integer saves alone: a count (how
+        many values matched a maximum), at least 1 wherever a quotient by it is read, which
+        shrinks a rounding step rather than stretching it."""
+        stack, seen = list(node.all_input_nodes), set()
+        while stack:
+            current = stack.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            if current is self.target:
+                return False
+            if current in self.saved or _is_marker(current):
+                value = current.meta.get("val")
+                if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex():
+                    return False
+                continue
+            stack.extend(current.all_input_nodes)
+        return True
+
     def _divides_by_another_save_elementwise(self, node: fx.Node) -> bool:
         """Whether ``node`` (a ``div``) divides value by value by a tensor computed from
         another save: a divisor broadcast from fewer values (a normalisation's statistic, a
         norm) scales whole rows alike, and their rounding is measured against that scale."""
         divisor = node.args[1]
-        if not isinstance(divisor, fx.Node) or not self._from_another_save(divisor):
+        if not isinstance(divisor, fx.Node) or not self._from_another_save(divisor) or self._counts(divisor):
             return False
         # Back through views, and through a read marker to the forward's tensor it reads
         # (the marker's own value is laid out anew).

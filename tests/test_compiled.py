@@ -981,6 +981,39 @@ def test_a_compiled_mobile_block_stores_what_eager_stores():
     assert rel_err(grads, exact) < 1e-2
 
 
+class MaxAggregation(nn.Module):
+    """Messages gathered along edges, reduced by ``scatter_reduce`` amax (a graph network's
+    max aggregation), and the result read again: by the head, and squared."""
+
+    def __init__(self):
+        super().__init__()
+        self.message, self.head = nn.Linear(32, 32), nn.Linear(32, 10)
+        self.source, self.target = torch.randint(0, 300, (2, 1200), generator=torch.Generator().manual_seed(0))
+
+    def forward(self, x):
+        messages = self.message(x)[self.source]
+        pooled = messages.new_zeros(300, 32).scatter_reduce(
+            0, self.target[:, None].expand(-1, 32), messages, "amax", include_self=False)
+        return self.head(pooled * pooled)
+
+
+def test_a_compiled_max_aggregation_saves_its_equality_outcomes_and_stores_no_more_than_eager():
+    """Backward compares the messages and the result with each other for equality. A graph's
+    pack op sees one tensor at a time, so the outcomes themselves are saved, computed in the
+    forward (1 bit each), and the result, otherwise read linearly, is stored at the policy's
+    bits (before: both kept exact, 1.22x eager's bytes on compiled GraphSAGE with max)."""
+    model = seeded(MaxAggregation)
+    x, y = torch.randn(300, 32), torch.randint(0, 10, (300,))
+    eager, _ = step(model, model, x, y, bits=2)
+    run = torch.compile(model, backend="inductor")
+    compiled, _ = step(model, run, x, y, bits=2)
+    assert compiled.stored_bytes <= eager.stored_bytes, (compiled.summary(), eager.summary())
+    assert compiled.modules["(compiled)"].outcomes["lossless"] >= 2, compiled.summary()
+    exact = exact_grads(model, model, x, y)
+    _, grads = step(model, run, x, y, bits=8)
+    assert rel_err(grads, exact) < 1e-2
+
+
 @pytest.mark.parametrize("rule, exact", [("op:gelu", 1), ("op:linear", 2), ("op:addmm", 2)])
 def test_op_rules_reach_the_saves_of_a_compiled_graph_by_the_op_that_reads_them(rule, exact):
     """``op:gelu`` keeps GELU's input exact in a graph as in eager: the graph's node is a

@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import ast
 import base64
+import contextlib
 import functools
 import math
 import operator
 import re
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
@@ -691,10 +692,11 @@ class CheaperSaves:
     (:func:`GraphPlan`'s analysis); where one costs more bits than the session's own and
     backward recomputes forward ops from it, the outputs of those ops that backward reads
     (the softmax, not its pieces) are marked to be saved (``CheckpointPolicy.MUST_SAVE``,
-    which min-cut honours), and the graph is partitioned again. The new partition is kept
-    only if its saves cost fewer bits, as decided; up to three rounds. Outside a session,
-    and where the user's activation checkpointing already tags what to recompute, this is
-    min-cut as inductor calls it.
+    which min-cut honours), and so are the equality outcomes backward computes from it
+    (:func:`_outcomes`, saved by :func:`_saving_marked_outcomes`); the graph is partitioned
+    again. The new partition is kept only if its saves cost fewer bits, as decided; up to
+    three rounds. Outside a session, and where the user's activation checkpointing already
+    tags what to recompute, this is min-cut as inductor calls it.
     """
 
     ROUNDS = 3
@@ -721,7 +723,8 @@ class CheaperSaves:
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             marked |= promote
             try:
-                forward_again, backward_again = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+                with _saving_marked_outcomes():
+                    forward_again, backward_again = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
                 cost_again, promote = _saves_cost(forward_again, backward_again, capture, bits)
             except Exception:  # a partition min-cut cannot make: the one it made stands
                 cost_again = math.inf
@@ -752,6 +755,31 @@ class CheaperSaves:
         config.custom_partitioner_fn = CheaperSaves()
 
 
+@contextlib.contextmanager
+def _saving_marked_outcomes() -> Iterator[None]:
+    """Min-cut with the nodes it leaves to backward that are marked ``MUST_SAVE`` saved too.
+
+    Min-cut honours the mark only on forward nodes. A node backward computes from saved
+    tensors alone (an equality outcome) is never worth saving to it: its inputs are saved
+    anyway for other reads. Saved, it takes those reads' exact copy off them.
+    """
+    from torch._functorch import partitioners
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    choose = partitioners.choose_saved_values_set
+
+    def choose_with_outcomes(joint_graph: fx.Graph, node_info: Any, *args: Any, **kwargs: Any) -> list[fx.Node]:
+        saved = choose(joint_graph, node_info, *args, **kwargs)
+        return saved + [n for n in joint_graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE
+                        and node_info.is_unclaimed(n) and n not in saved]
+
+    partitioners.choose_saved_values_set = choose_with_outcomes
+    try:
+        yield
+    finally:
+        partitioners.choose_saved_values_set = choose
+
+
 def _saves_cost(forward: fx.GraphModule, backward: fx.GraphModule, capture: ActivationCapture, bits: int
                 ) -> tuple[float, set[str]]:
     """The bits a partition's saves cost as :class:`GraphPlan` would store them at ``bits``,
@@ -759,6 +787,7 @@ def _saves_cost(forward: fx.GraphModule, backward: fx.GraphModule, capture: Acti
     reads = graph_reads(backward.graph)
     computed = {n.name: n for n in forward.graph.nodes if n.op == "call_function"}
     saved = {n.name: n for n in forward.graph.nodes if n.name in reads}
+    gradient_free = _free_of_tangents(backward.graph)
     total, promote = 0.0, set()
     for placeholder in backward.graph.nodes:
         node = saved.get(placeholder.name)
@@ -779,8 +808,49 @@ def _saves_cost(forward: fx.GraphModule, backward: fx.GraphModule, capture: Acti
             cost = val.element_size() * 8
         total += _hint(val.numel()) * cost
         if cost > bits:
-            promote |= _recomputed_results(placeholder, computed)
+            promote |= _recomputed_results(placeholder, computed) | _outcomes(placeholder, gradient_free)
     return total, promote
+
+
+def _free_of_tangents(backward: fx.Graph) -> set[fx.Node]:
+    """The nodes of a backward graph computed from saved tensors alone: those a forward can
+    compute too."""
+    free: set[fx.Node] = set()
+    for node in backward.nodes:
+        if node.op == "placeholder":
+            if not node.name.startswith("tangents"):
+                free.add(node)
+        elif node.op == "call_function" and all(n in free for n in node.all_input_nodes):
+            free.add(node)
+    return free
+
+
+def _outcomes(saved: fx.Node, gradient_free: set[fx.Node]) -> set[str]:
+    """The comparisons backward makes of a saved tensor (or a view of it) with no gradient in
+    them, at their widest: boolean nodes computed from saves alone that no boolean node takes
+    further (``(x == other) | (isnan(x) & isnan(other))``, not its pieces). Saved in place of
+    the tensor they are the outcome eager stores for a match, 1 bit per value, made in the
+    forward where both sides exist."""
+    def boolean(node: fx.Node) -> bool:
+        val = node.meta.get("val")
+        return node in gradient_free and isinstance(val, torch.Tensor) and val.dtype == torch.bool
+
+    outcomes, stack, seen = set(), list(saved.users), set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if not boolean(node):
+            if node in gradient_free and _name_of(node.target) in _VIEWS:
+                stack.extend(node.users)
+            continue
+        wider = [u for u in node.users if boolean(u)]
+        if wider:
+            stack.extend(wider)
+        else:
+            outcomes.add(node.name)
+    return outcomes
 
 
 def _recomputed_results(saved: fx.Node, computed: dict[str, fx.Node]) -> set[str]:

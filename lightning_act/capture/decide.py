@@ -974,8 +974,9 @@ def decide_saved_node(
 
     What a graph's plan cannot store, and so keeps:
 
-    * the outcome of an equality test: its other side is computed from the call's other
-      saves, and a graph's pack op sees one tensor;
+    * a tensor read through an equality test: its other side is computed from other saves,
+      and a graph's pack op sees one tensor (the partition saves the test's outcome in its
+      place: :class:`~lightning_act.capture.compiled.CheaperSaves`);
     * the ``-inf`` stand-in's mask (a second record per tensor): a tensor read through an
       exponential is quantized at 8 bits, and a fused attention's float mask, ``-inf``
       wherever it masks, is kept;
