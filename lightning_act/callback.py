@@ -32,7 +32,6 @@ from lightning_act.monitor import (
 from lightning_act.ops import ensure_kernels
 from lightning_act.policy import AdaptiveBits, AllocatedBits, FixedBits
 from lightning_act.policy.memory_target import (
-    COMPILED_PLANS,
     MemoryTargetError,
     TargetBits,
     Verdict,
@@ -250,7 +249,7 @@ class ActCompression(Callback):
         if self.targeted:
             self.policy.target_bytes = parse_memory_target(self.memory_target, trainer.strategy.root_device)
             if _is_compiled(pl_module):
-                self.policy.plans_left = COMPILED_PLANS
+                self.policy.follow_compiled()
             if not self._step_peak.exact:
                 rank_zero_warn(
                     f"lightning_act: memory_target={self.memory_target!r} is met against the "

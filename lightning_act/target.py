@@ -14,7 +14,6 @@ from lightning_act.capture.engine import ActivationCapture, runs_compiled, tenso
 from lightning_act.config import CompressionConfig
 from lightning_act.monitor import StepPeakMemory, step_holdings, storage_bytes
 from lightning_act.policy.memory_target import (
-    COMPILED_PLANS,
     MemoryTargetError,
     TargetBits,
     Verdict,
@@ -63,7 +62,7 @@ class MemoryTarget:
         self.policy = TargetBits(target, rules=rules)
         self.policy.target_bytes = parse_memory_target(target, device)
         if any(map(runs_compiled, model.modules())):
-            self.policy.plans_left = COMPILED_PLANS
+            self.policy.follow_compiled()
         self.capture = ActivationCapture(config or CompressionConfig(**settings), model, self.policy)
         self.model = model
         self.optimizers = list(optimizers)

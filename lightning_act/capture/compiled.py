@@ -712,27 +712,31 @@ class CheaperSaves:
         if capture is None or checkpointed:
             return forward, backward
         bits = capture.nominal_bits
-        cost, promote = _saves_cost(forward, backward, capture, bits)
+        cost, candidates = _saves_cost(forward, backward, capture, bits)
         marked: set[str] = set()
         for _ in range(self.ROUNDS):
-            promote -= marked
-            if not promote:
-                break
-            nodes = [n for n in joint.graph.nodes if n.name in promote]
-            for node in nodes:
-                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-            marked |= promote
-            try:
-                with _saving_marked_outcomes():
-                    forward_again, backward_again = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-                cost_again, promote = _saves_cost(forward_again, backward_again, capture, bits)
-            except Exception:  # a partition min-cut cannot make: the one it made stands
-                cost_again = math.inf
-            if cost_again >= cost:
+            # Recomputed results first, then equality outcomes: each kept only where it pays,
+            # so one that does not cannot cost the other its round.
+            for names in candidates:
+                nodes = [n for n in joint.graph.nodes if n.name in names - marked]
+                if not nodes:
+                    continue
+                for node in nodes:
+                    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                marked |= names
+                try:
+                    with _saving_marked_outcomes():
+                        forward_again, backward_again = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+                    cost_again, candidates_again = _saves_cost(forward_again, backward_again, capture, bits)
+                except Exception:  # a partition min-cut cannot make: the one it made stands
+                    cost_again = math.inf
+                if cost_again < cost:
+                    forward, backward, cost, candidates = forward_again, backward_again, cost_again, candidates_again
+                    break
                 for node in nodes:
                     node.meta.pop("recompute", None)
-                break
-            forward, backward, cost = forward_again, backward_again, cost_again
+            else:
+                break  # nothing left that pays
         return forward, backward
 
     def uuid(self) -> Any:
@@ -781,14 +785,15 @@ def _saving_marked_outcomes() -> Iterator[None]:
 
 
 def _saves_cost(forward: fx.GraphModule, backward: fx.GraphModule, capture: ActivationCapture, bits: int
-                ) -> tuple[float, set[str]]:
+                ) -> tuple[float, tuple[set[str], set[str]]]:
     """The bits a partition's saves cost as :class:`GraphPlan` would store them at ``bits``,
-    and the forward ops worth saving instead of those that cost more (see :class:`CheaperSaves`)."""
+    and the nodes worth saving instead of those that cost more (see :class:`CheaperSaves`):
+    the forward ops backward recomputes from them, and their equality outcomes."""
     reads = graph_reads(backward.graph)
     computed = {n.name: n for n in forward.graph.nodes if n.op == "call_function"}
     saved = {n.name: n for n in forward.graph.nodes if n.name in reads}
     gradient_free = _free_of_tangents(backward.graph)
-    total, promote = 0.0, set()
+    total, results, outcomes = 0.0, set(), set()
     for placeholder in backward.graph.nodes:
         node = saved.get(placeholder.name)
         val = placeholder.meta.get("val")
@@ -808,8 +813,9 @@ def _saves_cost(forward: fx.GraphModule, backward: fx.GraphModule, capture: Acti
             cost = val.element_size() * 8
         total += _hint(val.numel()) * cost
         if cost > bits:
-            promote |= _recomputed_results(placeholder, computed) | _outcomes(placeholder, gradient_free)
-    return total, promote
+            results |= _recomputed_results(placeholder, computed)
+            outcomes |= _outcomes(placeholder, gradient_free)
+    return total, (results, outcomes)
 
 
 def _free_of_tangents(backward: fx.Graph) -> set[fx.Node]:
