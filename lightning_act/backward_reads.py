@@ -1561,7 +1561,8 @@ def graph_reads(backward: fx.Graph) -> dict[str, Read]:
     return reads
 
 
-def _is_tangent(node: fx.Node) -> bool:
+def is_tangent(node: fx.Node) -> bool:
+    """A placeholder of a compiled backward that receives a gradient (not a saved tensor)."""
     return node.name.startswith("tangents")
 
 
@@ -1569,10 +1570,10 @@ def _read_graph(backward: fx.Graph) -> dict[str, Read]:
     placeholders = [n for n in backward.nodes if n.op == "placeholder"]
     decomposed = _decomposed(backward, placeholders)
     nodes = placeholders if decomposed is None else [n for n in decomposed.nodes if n.op == "placeholder"]
-    tangents = [n for p, n in zip(placeholders, nodes) if _is_tangent(p)]
-    saved = {n for p, n in zip(placeholders, nodes) if not _is_tangent(p)}
+    tangents = [n for p, n in zip(placeholders, nodes) if is_tangent(p)]
+    saved = {n for p, n in zip(placeholders, nodes) if not is_tangent(p)}
     return {p.name: classify(n, tangents, saved, compiled=True)
-            for p, n in zip(placeholders, nodes) if not _is_tangent(p)}
+            for p, n in zip(placeholders, nodes) if not is_tangent(p)}
 
 
 def _decomposed(backward: fx.Graph, placeholders: list[fx.Node]) -> fx.Graph | None:

@@ -49,7 +49,7 @@ import torch.fx as fx
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_act import ops
-from lightning_act.backward_reads import PointwiseDerivative, Read, Use, graph_reads, in_fresh_thread
+from lightning_act.backward_reads import PointwiseDerivative, Read, Use, graph_reads, in_fresh_thread, is_tangent
 from lightning_act.capture.active import capturing_now, splitmix64
 from lightning_act.capture.decide import STATISTIC_RATIO, Decision, Kind, ThresholdCells, decide_saved_node
 from lightning_act.capture.group_order import candidate_axes
@@ -824,7 +824,7 @@ def _free_of_tangents(backward: fx.Graph) -> set[fx.Node]:
     free: set[fx.Node] = set()
     for node in backward.nodes:
         if node.op == "placeholder":
-            if not node.name.startswith("tangents"):
+            if not is_tangent(node):
                 free.add(node)
         elif node.op == "call_function" and all(n in free for n in node.all_input_nodes):
             free.add(node)
