@@ -51,7 +51,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from lightning_act import ops
 from lightning_act.backward_reads import PointwiseDerivative, Read, Use, graph_reads, in_fresh_thread, is_tangent
 from lightning_act.capture.active import capturing_now, splitmix64
-from lightning_act.capture.decide import STATISTIC_RATIO, Decision, Kind, ThresholdCells, decide_saved_node
+from lightning_act.capture.decide import SOFTMAX_OPS, STATISTIC_RATIO, Decision, Kind, ThresholdCells, decide_saved_node
 from lightning_act.capture.group_order import candidate_axes
 from lightning_act.capture.records import unpack as unpack_eager
 from lightning_act.capture.report import Outcome, ReportDelta, SlotMemory
@@ -802,6 +802,7 @@ def _saves_cost(forward: fx.GraphModule, backward: fx.GraphModule, capture: Acti
         decision = decide_saved_node(
             _hinted(val), reads[placeholder.name], producer(node), consumers(node),
             min_numel=capture.config.min_numel, group_size=capture.config.group_size, statistic=is_statistic(node),
+            softmax_row=softmax_row(node),
         )
         if decision.kind is Kind.MASK:
             cost = 1
@@ -919,13 +920,35 @@ def _function_name(node: fx.Node) -> str | None:
 _CALL_COUNT = re.compile(r"_\d+$")
 
 
+def _source(node: fx.Node) -> fx.Node:
+    """The node whose result a saved node is, looking through views of it."""
+    while _op_name(node) in _VIEWS and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
 def producer(node: fx.Node) -> str | None:
     """The op that computed a saved node, looking through views of its result."""
-    while True:
-        name = _op_name(node)
-        if name not in _VIEWS or not node.all_input_nodes:
-            return name
-        node = node.all_input_nodes[0]
+    return _op_name(_source(node))
+
+
+def softmax_row(node: fx.Node) -> int | None:
+    """The length of the rows a softmax normalised, where a saved node is its result: from
+    ``aten._softmax``'s dimension, or, decomposed (``exp(x - max) / sum``), from the
+    dimensions its divisor reduced."""
+    source = _source(node)
+    val = source.meta.get("val")
+    if _op_name(source) not in SOFTMAX_OPS or not isinstance(val, torch.Tensor):
+        return None
+    if not val.dim():
+        return 1
+    for argument in source.args[1:]:
+        if isinstance(argument, int):
+            return _hint(val.shape[argument])
+        divisor = argument.meta.get("val") if isinstance(argument, fx.Node) else None
+        if isinstance(divisor, torch.Tensor) and divisor.dim() == val.dim():
+            return math.prod(_hint(n) for n, m in zip(val.shape, divisor.shape) if _hint(m) == 1)
+    return None
 
 
 def is_statistic(node: fx.Node) -> bool:
@@ -933,8 +956,7 @@ def is_statistic(node: fx.Node) -> bool:
     normalisation's mean and 1 / std, an attention's logsumexp), at least ``STATISTIC_RATIO``
     times smaller than the op's first input, as :func:`~lightning_act.capture.decide.decide`
     tells them in eager mode."""
-    while _op_name(node) in _VIEWS and node.all_input_nodes:
-        node = node.all_input_nodes[0]
+    node = _source(node)
     if node.target is not operator.getitem or not isinstance(node.args[1], int) or node.args[1] < 1:
         return False
     op, val = node.args[0], node.meta.get("val")
@@ -1149,7 +1171,7 @@ class GraphPlan:
         decision = decide_saved_node(
             val, self._reads.get(node.name, Read(Use.EXACT)), op, consumers(node),
             min_numel=capture.config.min_numel, group_size=capture.config.group_size, statistic=is_statistic(node),
-            index_range=index_bound(node) if val.dtype in INDEX_DTYPES else None,
+            index_range=index_bound(node) if val.dtype in INDEX_DTYPES else None, softmax_row=softmax_row(node),
         )
         if decision.kind is Kind.MASK:
             return Plan("mask", 1, 0, module, "", op, 1), Outcome.LOSSLESS
