@@ -118,6 +118,12 @@ class Read(NamedTuple):
     #: from the call's other saves: how to compute that value, so that the outcome alone
     #: (one bit per element) can be stored.
     match: Match | None = None
+    #: :attr:`Use.EXACT` of a tensor backward reads only as the other side of equality tests
+    #: whose compared saves, all saved before it, carry a :attr:`match`: those saves' numbers.
+    #: Any values serve it, so long as their outcomes were taken against its own and their
+    #: stand-ins are rebuilt from what is stored (``scatter_reduce`` amax's result, beside
+    #: its messages stored as their outcomes).
+    match_partner: tuple[int, ...] = ()
 
 
 class Match(NamedTuple):
@@ -1433,9 +1439,10 @@ def _with_matches(reads: list[Read], slots: dict[int, list[fx.Node]]) -> tuple[R
     """``reads`` with a :class:`Match` on each save backward only tests for equality with a
     value computed from other saves. Of two saves compared with each other (``amax``'s input
     and result), only the larger is stored as its match; the other stays as it is."""
-    matches = {slot: _match(slot, slots) for slot, read in enumerate(reads)
-               if read.use is Use.EXACT and read.reason in _EQUALITY}
-    matches = {slot: match for slot, match in matches.items() if match is not None}
+    found = {slot: _match(slot, slots) for slot, read in enumerate(reads)
+             if read.use is Use.EXACT and read.reason in _EQUALITY}
+    matches = {slot: match for slot, (match, _) in found.items() if match is not None}
+    covered = {slot: nodes for slot, (match, nodes) in found.items() if match is not None}
 
     def numel(slot: int) -> int:
         val = slots[slot][0].meta.get("val")
@@ -1446,13 +1453,43 @@ def _with_matches(reads: list[Read], slots: dict[int, list[fx.Node]]) -> tuple[R
             if partner in matches and slot in matches[partner].partners:
                 if (numel(slot), -slot) < (numel(partner), -partner):
                     matches.pop(slot, None)
-    return tuple(read._replace(match=matches.get(slot)) for slot, read in enumerate(reads))
+                    covered.pop(slot, None)
+    partners = {slot: _matched_against(slot, slots, matches, covered) for slot, read in enumerate(reads)
+                if slot not in matches and read.use is Use.EXACT and read.reason in _EQUALITY}
+    return tuple(read._replace(match=matches.get(slot), match_partner=partners.get(slot, ()))
+                 for slot, read in enumerate(reads))
 
 
-def _match(slot: int, slots: dict[int, list[fx.Node]]) -> Match | None:
+def _matched_against(slot: int, slots: dict[int, list[fx.Node]], matches: dict[int, Match],
+                     covered: dict[int, frozenset[fx.Node]]) -> tuple[int, ...]:
+    """The saves stored as their match that save ``slot`` is compared with, where backward
+    reads it only for those comparisons (every path from it ends in one) and they are saved
+    before it (so that their outcomes are taken when it arrives); else none. Not where a
+    comparison also reads ``isnan``: a stored copy need not keep NaN where the tensor had it."""
+    dependents = tuple(sorted(other for other, match in matches.items() if slot in match.partners))
+    if not dependents or dependents[-1] > slot or any(matches[other].reads_nan for other in dependents):
+        return ()
+    reads = frozenset().union(*(covered[other] for other in dependents))
+    frontier, seen = list(slots[slot]), set()
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user not in reads:
+                return ()
+            if not (isinstance(user.target, torch._ops.OpOverload) and _name(user.target) in _EQUALITY):
+                frontier.append(user)
+    return dependents
+
+
+def _match(slot: int, slots: dict[int, list[fx.Node]]) -> tuple[Match | None, frozenset[fx.Node]]:
     """The :class:`Match` of save ``slot`` if every read of it is ``x == other`` or
-    ``isnan(x) & isnan(other)``, with one ``other`` computed from other saves, else None."""
-    others, nan_others, frontier = set(), set(), list(slots[slot])
+    ``isnan(x) & isnan(other)``, with one ``other`` computed from other saves, else None;
+    with the nodes that compute ``other`` and compare it."""
+    none = None, frozenset()
+    others, nan_others, frontier, comparisons = set(), set(), list(slots[slot]), set()
     while frontier:
         node = frontier.pop()
         for user in node.users:
@@ -1462,18 +1499,20 @@ def _match(slot: int, slots: dict[int, list[fx.Node]]) -> Match | None:
             elif name in _EQUALITY and len(user.args) == 2 and not user.kwargs:
                 other = user.args[1] if user.args[0] is node else user.args[0]
                 if not isinstance(other, fx.Node) or other is node:
-                    return None
+                    return none
                 others.add(other)
+                comparisons.add(user)
             elif name == "isnan":
                 nan_other = _and_isnan_of(user)
                 if nan_other is None:
-                    return None
+                    return none
                 nan_others.add(nan_other)
+                comparisons.add(user)
             else:
-                return None
+                return none
     traced = slots[slot][0].meta.get("val")
     if len(others) != 1 or not nan_others <= others or not isinstance(traced, torch.Tensor):
-        return None
+        return none
     (other,) = others
     marker_slots = {n: s for s, nodes in slots.items() for n in nodes}
     needed, stack, partners, reduced = set(), [other], set(), {}
@@ -1484,19 +1523,19 @@ def _match(slot: int, slots: dict[int, list[fx.Node]]) -> Match | None:
         needed.add(node)
         if node in marker_slots:
             if marker_slots[node] == slot:
-                return None  # compared with a value of its own
+                return none  # compared with a value of its own
             partners.add(marker_slots[node])
             continue
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            return None
+            return none
         name = _name(node.target)
         if name in _MATCH_VIEWS:
             dims = _reduced_dims(node.args[1], tuple(traced.shape))
             if dims is None:
-                return None
+                return none
             reduced[node] = dims
         elif name not in _MATCH_OTHER_OPS:
-            return None
+            return none
         stack.extend(node.all_input_nodes)
     order = sorted(partners)
     graph = fx.Graph()
@@ -1513,7 +1552,8 @@ def _match(slot: int, slots: dict[int, list[fx.Node]]) -> Match | None:
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(env[other])
-    return Match(tuple(order), fx.GraphModule(torch.nn.Module(), graph), bool(nan_others))
+    match = Match(tuple(order), fx.GraphModule(torch.nn.Module(), graph), bool(nan_others))
+    return match, frozenset(needed | comparisons)
 
 
 def _and_isnan_of(isnan: fx.Node) -> fx.Node | None:

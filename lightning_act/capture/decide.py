@@ -382,6 +382,24 @@ class _MinusInfinity(NamedTuple):
 
 
 _MINUS_INFINITY_STAND_IN = MinusInfinityStandIn()
+
+
+class FiniteStandIn:
+    """What a match partner (:attr:`Decision.match_partner`) stores: its values with NaN and
+    infinities as 0. The codec decodes a group holding a non-finite value as NaN throughout,
+    which would turn the matches of its finite neighbours into mismatches. Where the tensor
+    is not finite, the stand-ins come out alike: a NaN matched nothing, and an infinity that
+    matched is rebuilt from the same stored 0 that backward compares it with. Other saves of
+    the tensor read its values, so they do not share this copy."""
+
+    for_its_op_alone = True
+
+    @staticmethod
+    def store(x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0), None
+
+
+_FINITE_STAND_IN = FiniteStandIn()
 # The reads through which backward exponentiates a saved tensor (the analysis's reason): aten
 # ops, and a fused attention's mask.
 _EXPONENTIATING = frozenset({"exp", "exp2", "logsumexp", "logcumsumexp", "_softmax", "_log_softmax", "softmax",
@@ -404,7 +422,7 @@ class Decision(NamedTuple):
     interval: tuple[float, float] | None = None
     #: :attr:`Kind.QUANTIZE`: what is stored in place of the tensor (its ``store`` gives
     #: the tensor to encode and what restores it at unpack); for this op alone.
-    substitute: PointwiseDerivative | MinusInfinityStandIn | None = None
+    substitute: PointwiseDerivative | MinusInfinityStandIn | FiniteStandIn | None = None
     #: How to lay the tensor out for its codec, for the kinds stored by one.
     layout: Layout | None = None
     #: :attr:`Kind.RECAST_WEIGHT`: the parameter to cast again at unpack.
@@ -417,6 +435,11 @@ class Decision(NamedTuple):
     row_layout: Layout | None = None
     #: :attr:`Kind.MATCH`: what backward compares the tensor with.
     match: Match | None = None
+    #: :attr:`Kind.QUANTIZE` of a tensor read only as what matched saves of its call are
+    #: compared with (:attr:`~lightning_act.backward_reads.Read.match_partner`): their save
+    #: numbers. Stored at its bits once every one of them has stored its outcome against
+    #: it, else exact.
+    match_partner: tuple[int, ...] = ()
     #: :attr:`Kind.CELLS`: the constants backward compares the tensor with, and their cells.
     cells: ThresholdCells | None = None
     #: A compiled graph's :attr:`Kind.QUANTIZE` whose groups (of ``row_group``) run down this
@@ -776,6 +799,8 @@ def decide_site(site: SaveSite, *, min_numel: int) -> Decision:
         return Decision(Kind.QUANTIZE, _UNKNOWN_USE_BITS) if stored else Decision(Kind.KEEP)
     if read.match is not None and stored and site.contiguous:
         return Decision(Kind.MATCH, match=read.match)
+    if read.match_partner and stored:
+        return Decision(Kind.QUANTIZE, match_partner=read.match_partner, substitute=_FINITE_STAND_IN)
     if site.zero_exact and read.thresholds == (0.0,) and (read.use is Use.REGION or read.value_use is not None):
         floor = max(2, _FLOORS[read.value_use or Use.LINEAR])  # ReLU's output: see _ZERO_EXACT_OPS
     elif read.use >= Use.SINGULAR:

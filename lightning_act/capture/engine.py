@@ -669,6 +669,8 @@ class ActivationCapture:
         if call is None:
             return self._store_decided(t, None, decision, module, ptr)
         call.saves += 1
+        if decision.match_partner:
+            return self._store_match_partner(t, call, decision, module, ptr)
         saved = self._store_decided(t, call, decision, module, ptr)
         call.saved.append((saved, decision.kind))
         if call.waiting:
@@ -878,6 +880,29 @@ class ActivationCapture:
         else:
             settle(False)
         return saved
+
+    def _store_match_partner(self, t: torch.Tensor, call: TrackedCall, decision: Decision, module: str,
+                             ptr: int) -> Any:
+        """A tensor backward reads only as what matched saves of its call are compared with
+        (``scatter_reduce`` amax's result). Those saves take their outcomes against ``t``
+        itself, here; then ``t`` is stored at its bits and their stand-ins are rebuilt from the
+        stored copy, so backward's comparisons come out as with exact tensors. Exact where
+        one of them cannot store its outcome now, and while probing (a probed copy is drawn
+        again at each decode)."""
+        index = len(call.saved)
+        call.saved.append((t.detach(), Kind.KEEP))
+        if call.waiting:
+            call.waiting = [settle for settle in call.waiting if not settle(False)]
+        dependents = [saved for saved, kind in (call.saved[d] for d in decision.match_partner) if kind is Kind.MATCH]
+        settled = (self._probe is None and len(dependents) == len(decision.match_partner)
+                   and all(saved.matched is not None for saved in dependents))
+        final = decision._replace(match_partner=()) if settled else Decision(Kind.KEEP)
+        stored = self._store_decided(t, call, final, module, ptr)
+        call.saved[index] = (stored, final.kind)
+        for saved in dependents:
+            if saved.matched is not None:
+                saved.partners[saved.match.partners.index(index)] = stored
+        return stored
 
     def _store_lossless(self, t: torch.Tensor, dense: torch.Tensor, decision: Decision, module: str) -> Compressed:
         """A mask or indices, stored exactly in fewer bits."""
