@@ -897,6 +897,11 @@ class ActivationCapture:
         settled = (self._probe is None and len(dependents) == len(decision.match_partner)
                    and all(saved.matched is not None for saved in dependents))
         final = decision._replace(match_partner=()) if settled else Decision(Kind.KEEP)
+        if settled and t.device.type == "cpu" and bool(torch.isfinite(t).all()):
+            # Nothing for the finite stand-in to replace (on the CPU, looking costs no device
+            # synchronisation): the copy decodes to the tensor, and the next layer's save of
+            # it may share it.
+            final = final._replace(substitute=None)
         stored = self._store_decided(t, call, final, module, ptr)
         call.saved[index] = (stored, final.kind)
         for saved in dependents:
