@@ -57,15 +57,14 @@ EXEMPT_AT_8_BITS = {
     "pdist": "zero distances", "nn.functional.pdist": "zero distances",
     # The two attention kernels below miss 0.1 at 8 bits on these samples (inputs of up to +-9
     # make logits of up to +-200), and the sweep measures which loses the gradient
-    # (``input_step_change``; the committed run's figures). Moved by half a step, the inputs move
-    # the CPU flash kernel's gradient 0.21 against the storage's 0.47: the op, at that precision.
-    # Through ``scaled_dot_product_attention`` 0.24 against 1.85: the storage. Its backward
-    # recomputes each row's probabilities from the stored query and key (8 bits, their floor)
-    # against the exact logsumexp, and a rounded logit moves a saturated row's largest
-    # probability by its exponential. Storing them exact there is not built.
-    # (A softmax over rows shorter than 8 values, multi-head attention over 3 tokens or a masked
-    # softmin over 5, lost 0.44 and 0.71 at 8 bits while rounded: it is kept exact.)
-    "nn.functional.scaled_dot_product_attention": "storage (saturated softmax)",
+    # (``input_step_change``; the committed run's figures): the op, at that precision. Moved
+    # by half a step, the inputs move the gradient 0.24 (``scaled_dot_product_attention``) and
+    # 0.21 (the CPU flash kernel) against the storage's 0.14 and 0.15. (Stored apart from the
+    # query, key and value, the kernel's output and logsumexp lost 1.85 and 0.47: they are
+    # computed again from the stored values. A softmax over rows shorter than 8 values,
+    # multi-head attention over 3 tokens or a masked softmin over 5, lost 0.44 and 0.71 at 8
+    # bits while rounded: it is kept exact.)
+    "nn.functional.scaled_dot_product_attention": "saturated softmax",
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": "saturated softmax",
 }
 # An exact gradient that is zero up to round-off (normalize or layer_norm over a dimension of

@@ -117,7 +117,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from lightning_act.backward_reads import ATTENTION_MASK, Match, PointwiseDerivative, Read, Use, call_reads
+from lightning_act.backward_reads import ATTENTION_MASK, Match, PointwiseDerivative, Read, Recompute, Use, call_reads
 from lightning_act.capture.records import Layout
 from lightning_act.codecs.exact import INDEX_DTYPES, MaskCodec
 from lightning_act.ops.validation import FLOAT_DTYPES, MIN_GROUP_SIZE
@@ -275,6 +275,9 @@ class Kind(enum.Enum):
     #: A float tensor backward only compares for equality with a value computed from other
     #: saves of its call: the outcome, 1 bit per value, exact (:attr:`Decision.match`).
     MATCH = "match"
+    #: A fused attention's output, computed again from the call's earlier saves when backward
+    #: needs it (:attr:`Decision.recompute`): nothing stored.
+    RECOMPUTE = "recompute"
     #: A float tensor backward only compares with constants: the cell each value falls in
     #: between them, a few bits per value, exact for those comparisons (:attr:`Decision.cells`).
     CELLS = "cells"
@@ -440,6 +443,8 @@ class Decision(NamedTuple):
     #: numbers. Stored at its bits once every one of them has stored its outcome against
     #: it, else exact.
     match_partner: tuple[int, ...] = ()
+    #: :attr:`Kind.RECOMPUTE`: how.
+    recompute: Recompute | None = None
     #: :attr:`Kind.CELLS`: the constants backward compares the tensor with, and their cells.
     cells: ThresholdCells | None = None
     #: A compiled graph's :attr:`Kind.QUANTIZE` whose groups (of ``row_group``) run down this
@@ -797,6 +802,8 @@ def decide_site(site: SaveSite, *, min_numel: int) -> Decision:
         if site.seen:
             return _exact(site)  # backward unseen: kept exact
         return Decision(Kind.QUANTIZE, _UNKNOWN_USE_BITS) if stored else Decision(Kind.KEEP)
+    if read.recompute is not None:
+        return Decision(Kind.RECOMPUTE, recompute=read.recompute)
     if read.match is not None and stored and site.contiguous:
         return Decision(Kind.MATCH, match=read.match)
     if read.match_partner and stored:

@@ -56,6 +56,8 @@ from lightning_act.capture.records import (
     MatchedSave,
     ProbeRecord,
     RecastWeight,
+    Recomputation,
+    RecomputedOutput,
     RegionView,
     Shared,
     storage_key,
@@ -684,6 +686,8 @@ class ActivationCapture:
         kind = decision.kind
         if kind is Kind.MATCH:
             return self._store_match(t, call, decision, module)
+        if kind is Kind.RECOMPUTE:
+            return self._store_recomputed(t, call, decision, module, ptr)
         if kind is Kind.PARAMETER or kind is Kind.EXTERNAL:
             self._count_uncounted(Outcome.PARAMETER if kind is Kind.PARAMETER else Outcome.EXTERNAL)
             return t.detach()
@@ -908,6 +912,24 @@ class ActivationCapture:
             if saved.matched is not None:
                 saved.partners[saved.match.partners.index(index)] = stored
         return stored
+
+    def _store_recomputed(self, t: torch.Tensor, call: TrackedCall, decision: Decision, module: str,
+                          ptr: int) -> Any:
+        """A fused attention's output: nothing stored; computed again in backward from what
+        autograd holds for the call's query, key and value (one computation for the output
+        and the logsumexp). Kept exact where those saves are not there to read."""
+        recompute = decision.recompute
+        if max(recompute.inputs) >= len(call.saved):
+            return self._store_decided(t, call, Decision(Kind.KEEP), module, ptr)
+        inputs = [call.saved[i][0] for i in recompute.inputs]
+        recomputation = next(
+            (saved.recomputation for saved, _ in call.saved if isinstance(saved, RecomputedOutput)
+             and saved.recomputation.recompute.inputs == recompute.inputs
+             and saved.recomputation.recompute.target is recompute.target),
+            None,
+        ) or Recomputation(recompute, inputs)
+        self._account(module, t, Outcome.RECOMPUTED, 0)
+        return RecomputedOutput(recomputation, recompute.output, t)
 
     def _store_lossless(self, t: torch.Tensor, dense: torch.Tensor, decision: Decision, module: str) -> Compressed:
         """A mask or indices, stored exactly in fewer bits."""

@@ -248,6 +248,54 @@ class MatchedSave:
         return self.match.stand_in(self.matched.unpack().view(self.shape), [unpack(p) for p in self.partners])
 
 
+class Recomputation:
+    """One fused attention call's saved outputs, computed again from what autograd holds for
+    its inputs (:class:`~lightning_act.backward_reads.Recompute`): once for all of them, when
+    backward unpacks the first, and let go once each was taken."""
+
+    __slots__ = ("recompute", "inputs", "saved", "waiting", "outputs")
+
+    def __init__(self, recompute, inputs: list):
+        self.recompute = recompute
+        self.inputs = inputs
+        self.saved: set[int] = set()  # the outputs autograd holds
+        self.waiting: set[int] = set()  # those not yet taken in this backward
+        self.outputs: tuple | None = None
+
+    def hold(self, index: int) -> None:
+        self.saved.add(index)
+        self.waiting.add(index)
+
+    def output(self, index: int) -> torch.Tensor:
+        if self.outputs is None:
+            self.outputs = self.recompute.run([unpack(saved) for saved in self.inputs])
+        value = self.outputs[index]
+        self.waiting.discard(index)
+        if not self.waiting:  # each taken: a retained graph's next backward computes them again
+            self.waiting, self.outputs = set(self.saved), None
+        return value
+
+
+class RecomputedOutput:
+    """What autograd holds for a fused attention's output: which output of its call's
+    :class:`Recomputation`, in the layout the call saved it in."""
+
+    __slots__ = ("recomputation", "index", "size", "stride")
+
+    def __init__(self, recomputation: Recomputation, index: int, saved: torch.Tensor):
+        self.recomputation = recomputation
+        self.index = index
+        self.size = saved.shape
+        self.stride = saved.stride()
+        recomputation.hold(index)
+
+    def unpack(self) -> torch.Tensor:
+        value = self.recomputation.output(self.index)
+        if value.shape == self.size and value.stride() != self.stride:
+            value = torch.empty_strided(self.size, self.stride, dtype=value.dtype, device=value.device).copy_(value)
+        return value
+
+
 class RecastWeight:
     """What autograd holds instead of autocast's low-precision copy of a parameter."""
 

@@ -34,6 +34,9 @@ class Outcome(enum.Enum):
     LOSSLESS = "lossless"
     #: Served by the copy stored for an earlier save of the same tensor: stores nothing more.
     DEDUPLICATED = "deduplicated"
+    #: Computed again in backward from what other saves of its call store (a fused
+    #: attention's output and logsumexp): stores nothing.
+    RECOMPUTED = "recomputed"
 
     def __init__(self, value: str):
         # Plain attributes, not properties: the capture engine reads them for every save.
@@ -54,6 +57,7 @@ _DESCRIPTIONS = {
     Outcome.COMPRESSED: "compressed at the bits shown",
     Outcome.LOSSLESS: "masks or indices stored exactly in fewer bits",
     Outcome.DEDUPLICATED: "served by the copy of an earlier save of the same tensor",
+    Outcome.RECOMPUTED: "attention outputs recomputed in backward from the stored inputs",
     Outcome.EXACT: "kept exact by a rule or the policy",
     Outcome.STATISTIC: "normalization or softmax statistics kept exact",
     Outcome.KEPT: "kept as they are (small, or no codec takes them)",
