@@ -9,16 +9,16 @@ on random queries and keys scaled so that the logits reach from a few units to h
 16 x 4 heads x 64 tokens x 16 dims, the CPU flash kernel called directly, every rounding
 by the library's quantizer (groups of 256, stochastic rounding), three rounding seeds:
 
-* ``as stored``: what the capture stores today: query and key at their 8-bit floor, value
-  and output at ``--bits``, the logsumexp exact;
-* ``recomputed``: query and key at 8 bits, value at ``--bits``, and the output and
-  logsumexp recomputed from those stored values when backward needs them (one more
-  forward of the attention, and the output not stored at all);
+* ``as stored``: the output stored like the inputs: query and key at their 8-bit floor,
+  value and output at ``--bits``, the logsumexp exact;
+* ``recomputed``: what the capture does: query and key at 8 bits, value at ``--bits``, and
+  the output and logsumexp recomputed from those stored values when backward needs them
+  (one more forward of the attention, and the output not stored at all);
 * ``written out``: the softmax written out, as ``nn.MultiheadAttention`` with its weights
   runs it: the probabilities at their 8-bit floor, query, key and value at ``--bits``.
 
-Then the same module through the capture itself (``nn.MultiheadAttention``, width 64,
-4 heads, batch 16 x 64 tokens), fused and written out, as a check of the first and last.
+Then a module through the capture itself (``nn.MultiheadAttention``, width 64, 4 heads,
+batch 16 x 64 tokens), fused and written out, as a check of the last two.
 The error is the largest relative L2 error over the query, key and value gradients (the
 module's input gradient for the capture rows).
 
