@@ -1352,7 +1352,8 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
         for slot in unused:
             if read_for_real is None or slot in read_for_real:
                 reads[slot] = Read(Use.SINGULAR, reason=_UNTRACED_BRANCH)
-    return _Traced(_with_recomputes(_with_matches(reads, slots), slots, saves), tuple(saves))
+    given = {v for v in flat if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return _Traced(_with_recomputes(_with_matches(reads, slots), slots, saves, given), tuple(saves))
 
 
 #: :attr:`Read.reason` of a save the traced backward does not use and the real one reads.
@@ -1470,10 +1471,13 @@ _AND = frozenset({"logical_and", "logical_and_", "bitwise_and", "bitwise_and_"})
 
 
 def _with_recomputes(reads: tuple[Read, ...], slots: dict[int, list[fx.Node]],
-                     saves: list[tuple[torch.dtype, int]]) -> tuple[Read, ...]:
+                     saves: list[tuple[torch.dtype, int]], given: set) -> tuple[Read, ...]:
     """``reads`` with a :class:`Recompute` on each float output of a fused attention (an op
     of the trace whose name holds ``attention``) without dropout, whose tensor arguments are
-    all saved by the call before it."""
+    all saved by the call before it. Its other arguments must be flags, zero, or numbers the
+    call was ``given``: a trace serves every call of the same signature, whatever its sizes,
+    so a number the call computed from a size (a scale from the head's width) would be
+    another call's."""
     source = {nodes[0].args[0]: slot for slot, nodes in slots.items()}
     found = list(reads)
     for slot, nodes in slots.items():
@@ -1490,8 +1494,12 @@ def _with_recomputes(reads: tuple[Read, ...], slots: dict[int, list[fx.Node]],
         schema.update(op.kwargs)
         if schema.get("dropout_p", 0.0) != 0.0:
             continue  # its random mask is drawn again: not the one backward reads
-        tensors = [a for a in pytree.tree_leaves((op.args, op.kwargs)) if isinstance(a, fx.Node)]
+        leaves = pytree.tree_leaves((op.args, op.kwargs))
+        tensors = [a for a in leaves if isinstance(a, fx.Node)]
         if not all(a in source and source[a] < slot for a in tensors):
+            continue
+        numbers = [a for a in leaves if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        if any(a != 0 and a not in given for a in numbers):
             continue
         arguments = pytree.tree_map(lambda a: _SaveOf(source[a]) if isinstance(a, fx.Node) else a, (op.args, op.kwargs))
         inputs = tuple(dict.fromkeys(source[a] for a in tensors))
