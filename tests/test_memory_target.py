@@ -91,6 +91,7 @@ def test_a_compiled_model_moves_up_from_a_steeper_slope_in_a_few_plans():
     base = MIB
     policy = TargetBits(base + 600_000)
     policy.follow_compiled()
+    policy.update({}, slots)  # the floor's plan, made before the first step as the callback does
 
     def step():
         return base + int(1.3 * _storage_bytes(policy, slots))
@@ -104,6 +105,7 @@ def test_a_compiled_model_moves_up_from_a_steeper_slope_in_a_few_plans():
     assert max(peaks) <= policy.target_bytes, peaks
     assert peaks[-1] >= 0.9 * policy.target_bytes, peaks
     assert 1 <= plans <= COMPILED_PLANS
+    assert policy.plans_left == COMPILED_PLANS - plans  # the floor's plan used none of them
 
 
 def test_target_loop_moves_down_and_says_when_the_floor_is_over():

@@ -287,8 +287,8 @@ class TargetBits(AllocatedBits):
         # A move that changed nothing stalls the loop until a step goes over the target; a
         # recalibration's new sensitivities give the room a fresh chance.
         self._stalled = moving and assignment == planned
-        if self.plans_left is not None and assignment != planned:
-            self.plans_left -= 1
+        if self.plans_left is not None and assignment != planned and self.measured_peak is not None:
+            self.plans_left -= 1  # a move: the floor's plan, before any measured step, is not one
         if self.measured_peak is not None:
             after = sum(self._storage(k, slots[k]) for k in self._measured_storage if k in slots)
             self.predicted_peak = self.measured_peak + int(self.slope * (after - before) // 8)
