@@ -105,6 +105,7 @@ def autocast_state() -> tuple:
 
 
 _PLAIN_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_PLAIN_TYPES = frozenset(_PLAIN_VALUES)  # checked first: a set lookup, where isinstance walks the tuple
 
 
 def arguments_key(value: Any, tensor_key: Callable[[torch.Tensor], Any], other_key: Callable[[Any], Any]) -> Any:
@@ -113,7 +114,14 @@ def arguments_key(value: Any, tensor_key: Callable[[torch.Tensor], Any], other_k
     else by ``other_key`` (which may raise)."""
     if isinstance(value, torch.Tensor):
         return tensor_key(value)
-    if isinstance(value, _PLAIN_VALUES):
+    kind = type(value)
+    if kind is tuple:  # a call's positional arguments: most of them tensors and plain values
+        return tuple([
+            tensor_key(v) if isinstance(v, torch.Tensor) else v if type(v) in _PLAIN_TYPES
+            else arguments_key(v, tensor_key, other_key)
+            for v in value
+        ])
+    if kind in _PLAIN_TYPES or isinstance(value, _PLAIN_VALUES):
         return value
     if isinstance(value, (list, tuple)):
         return tuple([arguments_key(v, tensor_key, other_key) for v in value])

@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
+from torch._dynamo.eval_frame import skip_code
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_act import ops
@@ -564,11 +566,21 @@ class _Hook(fx.GraphModule):
     the capture's global module hooks would see it as a module the model runs. Never compiled
     by Dynamo's frame hook: code a compiled frame runs eagerly after a graph break (``nn.GRU``'s
     forward in a model compiled whole) calls it at every save, and Dynamo compiled it there,
-    recompiling on each tensor's storage address until its limit."""
+    recompiling on each tensor's storage address until its limit. Where no frame hook is set
+    (eager code outside any compiled function, the common case) it is called without turning
+    the hook off and on around it, which cost 4.5 us per call, a third of the bare hooks' cost."""
+
+    def __call__(self, *args):
+        if get_eval_frame_callback() is None:
+            return self.forward(*args)
+        return self._call_outside_dynamo(*args)
 
     @torch.compiler.disable
-    def __call__(self, *args):
+    def _call_outside_dynamo(self, *args):
         return self.forward(*args)
+
+
+skip_code(_Hook.__call__.__code__)  # Dynamo never traces the check itself
 
 
 def _pack_function(x):

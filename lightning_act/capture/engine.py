@@ -611,8 +611,8 @@ class ActivationCapture:
         """Add one saved tensor to the report; its storage counts once however often saved.
         ``copied``: a tensor its outcome keeps, kept as a copy of ``stored`` bytes instead."""
         report = self.report
-        value = outcome.value
-        report.counts[value] = report.counts.get(value, 0) + 1
+        key = outcome.key
+        report.counts[key] = report.counts.get(key, 0) + 1
         stats = report.modules.get(module)
         if stats is None:
             stats = report.modules[module] = ModuleMemory()
@@ -639,7 +639,8 @@ class ActivationCapture:
 
     def _count_uncounted(self, outcome: Outcome) -> None:
         """Count a tensor that stays alive anyway: it is in neither byte total."""
-        self.report.counts[outcome.value] = self.report.counts.get(outcome.value, 0) + 1
+        counts, key = self.report.counts, outcome.key
+        counts[key] = counts.get(key, 0) + 1
 
     def _next_slot(self, module: str) -> str:
         index = self._slot_counts.get(module, 0)

@@ -40,6 +40,8 @@ class Outcome(enum.Enum):
 
     def __init__(self, value: str):
         # Plain attributes, not properties: the capture engine reads them for every save.
+        #: The value again (an enum's ``value`` is a property, read at every save).
+        self.key = value
         #: Whether the saved tensor's own storage stays allocated for backward.
         self.keeps_storage = value in ("kept", "exact", "statistic")
         #: Whether a codec's record replaces the saved tensor.
@@ -85,7 +87,8 @@ class ModuleMemory:
     def note(self, outcome: Outcome, op: str | None, count: int = 1) -> None:
         """Count ``count`` more tensors saved by ``op`` in this module, and what became of them."""
         self.tensors += count
-        self.outcomes[outcome.value] = self.outcomes.get(outcome.value, 0) + count
+        key = outcome.key
+        self.outcomes[key] = self.outcomes.get(key, 0) + count
         if op is not None:
             self.ops.add(op)
 
