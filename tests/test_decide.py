@@ -136,10 +136,12 @@ def test_normalisation_inputs_are_grouped_within_the_rows_they_normalise():
     channels = decided(maps, call("batch_norm", maps, None, None, training=True))
     assert channels.row_layout.perm == (1, 0, 2, 3) and not channels.row_layout.memory_order
     assert channels.layout.memory_order  # for DIVISION's and pool's spatial tiles
-    assert row_groups(maps, call("batch_norm", maps, None, None, training=True)) == (64, 144, 192)
+    # Channels shorter than LONG_CHANNEL are stored at the normalisations' 4-bit floor, in the
+    # groups that store them in the fewest bits at 4 bits.
+    assert row_groups(maps, call("batch_norm", maps, None, None, training=True)) == (32, 144, 160)
     late = torch.randn(8, 16, 7, 7)  # ResNet-50's last stage at batch 8: 392 values a channel
-    assert row_groups(late, call("batch_norm", late, None, None, training=True)) == (256, 392, 512)
-    large = torch.randn(2, 4, 16, 16)
+    assert row_groups(late, call("batch_norm", late, None, None, training=True)) == (64, 392, 448)
+    large = torch.randn(4, 4, 16, 16)  # channels of LONG_CHANNEL values, each map whole groups
     assert decided(large, call("batch_norm", large, None, None, training=True)) == decided(
         large, call("mul", large, large.clone())
     )
@@ -149,14 +151,19 @@ def test_normalisation_inputs_are_grouped_within_the_rows_they_normalise():
     assert decided(tokens, call("linear", tokens, torch.randn(8, 192))).row_group is None
 
 
-def test_inputs_of_a_normalisation_over_rows_get_four_bits_and_batch_norm_none():
+def test_inputs_of_a_normalisation_over_rows_get_four_bits_and_batch_norm_over_long_channels_none():
     tokens = torch.randn(8, 65, 192)
     assert decided(tokens, call("layer_norm", tokens, (192,))).min_bits == 4
     maps = torch.randn(4, 32, 6, 6)
     assert decided(maps, call("group_norm", maps, 8)).min_bits == 4
-    # BatchNorm's backward is as quadratic, but over rows of the whole batch: a hand rule.
+    # BatchNorm's backward is as quadratic, but over rows of the whole batch and map: a hand
+    # rule, where a channel holds LONG_CHANNEL values or more. Shorter ones get the floor.
     batch_norm = call("batch_norm", maps, None, None, training=True)
-    assert read_of(maps, batch_norm).use.name == "QUADRATIC" and decided(maps, batch_norm).min_bits == 1
+    assert read_of(maps, batch_norm).use.name == "QUADRATIC" and decided(maps, batch_norm).min_bits == 4
+    long = torch.randn(16, 8, 8, 8)  # 1,024 values a channel
+    assert decided(long, call("batch_norm", long, None, None, training=True)).min_bits == 1
+    shorter = torch.randn(16, 8, 8, 7)  # 896
+    assert decided(shorter, call("batch_norm", shorter, None, None, training=True)).min_bits == 4
     # What else a normalisation saves is not its input: its statistics, kept exact.
     saved = saves_of(F.layer_norm, grad_input(8, 65, 192), (192,))
     assert [d.kind for d in saved] == [Kind.QUANTIZE, Kind.STATISTIC, Kind.STATISTIC]

@@ -57,9 +57,12 @@ Hand rules remain where a measurement, or something the one call cannot show, sa
   step is set by the rows' largest probabilities, and a saturated row's gradient,
   ``y (g - <g, y>)``, shrinks with what the row leaves beside its largest (multi-head
   attention over 3 tokens lost 0.39 of its gradient at 8 bits, a softmin over 5 values 0.71);
-* BatchNorm's input: no floor. Backward is quadratic in it like any normalisation's, but the
-  bias is of order variance / row length, and its rows (a channel over the batch and the
-  map) are long; its inputs are a third of a CNN's memory;
+* BatchNorm's input: no floor where its rows (a channel over the batch and the map) hold
+  ``LONG_CHANNEL`` values or more. Backward is quadratic in it like any normalisation's, but
+  the bias is of order variance / row length, and its inputs are a third of a CNN's memory.
+  Over shorter channels, the late stages of a CNN on small images or small batches, the
+  other normalisations' floor: a torchvision RegNetY on CIFAR (batch 8, 1x1 maps: channels
+  of 8 values) had a 2-bit bias of 0.39 of its gradient's norm from BatchNorm's inputs alone;
 * RMSNorm written out in pointwise ops (``x * rsqrt(mean(x**2) + eps)``, as HF's Llama, Mistral
   and T5 write it): its ``mul`` reads ``x`` linearly, but ``x`` reaches the per-row factor
   through other calls, so backward multiplies two uses of it. Found by the factor's autograd
@@ -135,6 +138,7 @@ __all__ = [
     "Decision",
     "MinusInfinityStandIn",
     "Kind",
+    "LONG_CHANNEL",
     "STATISTIC_RATIO",
     "Normalized",
     "SaveSite",
@@ -148,6 +152,10 @@ __all__ = [
 
 # The floor of each way backward reads a tensor (see the module notes).
 _QUADRATIC_BITS = 4
+#: A BatchNorm channel (values over the batch and the map) this long or longer stores its
+#: input with no floor: the bias its rounding adds is of order variance / channel length.
+#: ResNet-18 on CIFAR at batch 64 has channels of 1,024 values on its last 4 x 4 maps.
+LONG_CHANNEL = 1024
 _NONLINEAR_BITS = 8
 _FLOORS = {
     Use.NONE: 1,
@@ -754,7 +762,8 @@ class Normalized(NamedTuple):
     #: Values per row it normalises on its own: a LayerNorm token, one GroupNorm group, one
     #: InstanceNorm plane, one BatchNorm channel over the batch and the map.
     row: int
-    #: BatchNorm: its rows are channels, strided in memory, and long (no floor; see the notes).
+    #: BatchNorm: its rows are channels, strided in memory, and usually long (no floor from
+    #: ``LONG_CHANNEL`` values on; see the notes).
     channels: bool = False
 
 
@@ -848,7 +857,7 @@ def decide_site(site: SaveSite, *, min_numel: int) -> Decision:
         return _exact(site)
     elif site.softmax:
         floor = _NONLINEAR_BITS
-    elif site.normalized is not None and site.normalized.channels:
+    elif site.normalized is not None and site.normalized.channels and site.normalized.row >= LONG_CHANNEL:
         floor = 1
     else:
         floor = _FLOORS[read.use]
@@ -858,7 +867,7 @@ def decide_site(site: SaveSite, *, min_numel: int) -> Decision:
         return Decision(Kind.STATISTIC)
     if read.derivative is not None:
         return Decision(Kind.QUANTIZE, floor, substitute=read.derivative)
-    if site.normalized is not None and not site.normalized.channels:
+    if site.normalized is not None and (not site.normalized.channels or site.normalized.row < LONG_CHANNEL):
         floor = max(floor, _QUADRATIC_BITS)  # a row's noise times its 1 / std, twice
     substitute = None
     if read.use is Use.SMOOTH and read.reason in _EXPONENTIATING:
