@@ -1161,3 +1161,23 @@ def test_a_recurrent_submodule_of_a_compiled_model_is_kept_exact_and_said():
     # save, recompiling on each tensor's storage address, until the hook was never compiled.
     compiled = {metrics.co_name or "" for metrics in torch._dynamo.utils.get_compilation_metrics()}
     assert not any("_pack" in name for name in compiled), compiled
+
+
+def test_a_decomposed_safe_softmax_reads_its_rows_from_its_divisor():
+    """Inductor decomposes ``_safe_softmax`` (SDPA's math path, with a mask or dropout) into
+    ``where(row all masked, zeros, exp / sum)``, every node marked as the softmax. Its rows are
+    the ones the divisor reduced: read off the zeros' size (or as one value), a compiled HF
+    GPT-2 kept its attention probabilities exact and stored 1.34x eager's bytes."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from lightning_act.capture.compiled import softmax_row
+
+    graph = make_fx(lambda x: torch.ops.aten._safe_softmax(x, -1), decomposition_table=select_decomp_table(),
+                    tracing_mode="fake")(torch.randn(4, 2, 48, 64)).graph
+    for node in graph.nodes:
+        if node.op == "call_function":
+            node.meta["original_aten"] = torch.ops.aten._safe_softmax.default  # as AOT autograd marks them
+    (probabilities,) = graph.output_node().all_input_nodes
+    assert probabilities.target is torch.ops.aten.where.self
+    assert softmax_row(probabilities) == 64

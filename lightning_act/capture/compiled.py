@@ -954,12 +954,22 @@ def softmax_row(node: fx.Node) -> int | None:
         return None
     if not val.dim():
         return 1
+    if _name_of(source.target) in SOFTMAX_OPS:  # the op itself, not a piece of its decomposition
+        dim = source.args[1] if len(source.args) > 1 else None
+        return _hint(val.shape[dim]) if isinstance(dim, int) else None
     for argument in source.args[1:]:
-        if isinstance(argument, int):
-            return _hint(val.shape[argument])
         divisor = argument.meta.get("val") if isinstance(argument, fx.Node) else None
-        if isinstance(divisor, torch.Tensor) and divisor.dim() == val.dim():
-            return math.prod(_hint(n) for n, m in zip(val.shape, divisor.shape) if _hint(m) == 1)
+        if not isinstance(divisor, torch.Tensor) or divisor.dim() != val.dim():
+            continue
+        reduced = [_hint(n) for n, m in zip(val.shape, divisor.shape) if _hint(m) == 1 and _hint(n) != 1]
+        if reduced:
+            return math.prod(reduced)
+        # ``_safe_softmax``'s last step, ``where(row all masked, zeros, exp / sum)``: its
+        # arguments of the same size reduce nothing themselves; the quotient's divisor does.
+        # (Read as rows of one value, or of the zeros' first size, a compiled attention's
+        # probabilities were kept exact.)
+        if _op_name(argument) in SOFTMAX_OPS and (row := softmax_row(argument)) is not None:
+            return row
     return None
 
 
