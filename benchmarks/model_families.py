@@ -4,7 +4,7 @@ The suite (``benchmarks/model_libraries.py``) holds one model per kind that its 
 criterion by criterion. This sweep runs more of each library's families the same way (small
 configs, random weights, the same batches), to find what the suite's models do not show: a
 crash, a NaN, a gradient error far from its family's. HF causal LMs (OPT, GPT-NeoX, Mistral,
-Phi, Qwen2, Gemma, Falcon, GPT-J, Bloom), encoders (RoBERTa, ELECTRA, DistilBERT, ALBERT,
+Phi, Qwen2, Gemma, Falcon, GPT-J, Bloom, GPT-2, Mamba), encoders (RoBERTa, ELECTRA, DistilBERT, ALBERT,
 DeBERTa-v2) and vision models (ViT, DeiT, ConvNeXt, ResNet); timm CNNs, ViTs and MLPs; PyG
 convolutions (GraphConv, Cheb, EdgeConv, GAT, APPNP, SGConv, GCN2, PNA), each with a
 BatchNorm between its layers; ``torch.nn`` RNNs and an ``LSTMCell`` loop.
@@ -63,6 +63,10 @@ _CAUSAL = {
     "falcon": ("FalconConfig", "FalconForCausalLM", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)),
     "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=128)),
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=64, n_layer=2, n_head=4)),
+    # GPT-2 trains with dropout on its attention probabilities: SDPA's math path when compiled.
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=128)),
+    # Mamba without its CUDA kernels: the selective scan stepped in Python.
+    "mamba": ("MambaConfig", "MambaForCausalLM", dict(hidden_size=64, num_hidden_layers=2, state_size=8)),
 }
 _ENCODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                 max_position_embeddings=130)
@@ -93,7 +97,7 @@ _TIMM = {
     "cait_xxs24_224": dict(img_size=32, patch_size=4, depth=2),
     "beit_base_patch16_224": dict(img_size=32, patch_size=4, depth=2, embed_dim=64, num_heads=4),
     "hrnet_w18_small": {}, "dla34": {}, "nfnet_l0": {}, "tresnet_m": {}, "rexnet_100": {}, "mobileone_s0": {},
-    "fastvit_t8": {},
+    "fastvit_t8": {}, "resnest14d": {}, "edgenext_xx_small": {},
 }
 
 
