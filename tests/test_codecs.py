@@ -559,11 +559,12 @@ def test_rules_choose_codec_and_bits_by_module_and_by_op(generator):
 
 
 @pytest.mark.slow  # ResNet-50 at 224x224 under the memory profiler
-def test_resnet50_at_224_keeps_13x_less(generator):
+def test_resnet50_at_224_keeps_11x_less(generator):
     """torchvision ResNet-50, 224x224, fp32, 2 bits: max-pool indices in 16 bits, not 64.
-    13x, not the 14.08x of groups that span channels: BatchNorm's inputs are stored a
+    11.9x, not the 14.08x of groups that span channels: BatchNorm's inputs are stored a
     channel at a time, each channel padded to whole groups (at batch 2, 14x14 maps pad
-    392 values to 512)."""
+    392 values to 512), and channels that short (392 and 98 values) at the 4-bit floor
+    (13.33x without it)."""
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
     model = torchvision.models.resnet50().train()
@@ -581,6 +582,6 @@ def test_resnet50_at_224_keeps_13x_less(generator):
     compressed = kept(capture)
     print(f"\nResNet-50 224x224 batch 2: {uncompressed / 2**20:.1f} -> {compressed / 2**20:.1f} MiB kept, "
           f"{uncompressed / compressed:.2f}x measured, {capture.report.ratio:.2f}x reported")
-    assert uncompressed / compressed >= 13.0
+    assert uncompressed / compressed >= 11.5
     assert capture.report.ratio == pytest.approx(uncompressed / compressed, rel=0.01)
     assert capture.report.modules["maxpool"].codecs == {"index"}
