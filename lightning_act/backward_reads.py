@@ -275,6 +275,8 @@ _SMOOTH = frozenset(
      "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool2d", "adaptive_max_pool3d"}
 )
 _EXPONENTIALS = frozenset({"exp", "exp2", "expm1"})
+# Logarithms, by their pole.
+_LOGARITHMS = {"log": 0.0, "log2": 0.0, "log10": 0.0, "log1p": -1.0}
 # Views a divisor is followed back through to the values it holds (an ``expand`` repeats them).
 _DIVISOR_VIEWS = frozenset({"expand", "expand_copy", "view", "reshape", "_unsafe_view", "unsqueeze",
                             "squeeze", "permute", "transpose", "alias", "detach"})
@@ -322,13 +324,25 @@ def _is_float(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex())
 
 
+class Saves(NamedTuple):
+    """A backward graph's saved tensors' nodes (sets, shared by every walk of one graph), and
+    what its forward tells of them."""
+
+    #: Every one: what ``exp(x - result)`` reads besides the target.
+    all: Collection[fx.Node] = ()
+    #: Those an op never negative computed (an ``exp``).
+    nonnegative: Collection[fx.Node] = ()
+    #: Those that are the forward's own inputs: parameters, the batch, an earlier graph's
+    #: activation.
+    inputs: Collection[fx.Node] = ()
+
+
 class _Walk:
     """One forward pass over a graph from a saved tensor's node: degrees and what was seen."""
 
-    def __init__(self, target: fx.Node, saved: Collection[fx.Node] = ()):
+    def __init__(self, target: fx.Node, saves: Saves = Saves()):
         self.target = target
-        #: The graph's saved tensors (the target among them): what ``exp(x - result)`` reads.
-        self.saved = saved
+        self.saves = saves
         self.degree: dict[fx.Node, int] = {target: 1}
         #: Every node computed from the saved tensor, masks of it included (degree 0).
         self.reached = _downstream(target)
@@ -341,20 +355,49 @@ class _Walk:
             if degree:
                 self.degree[node] = degree
 
-    def _from_another_save(self, node: fx.Node) -> bool:
-        """Whether ``node`` is computed from a saved tensor other than the target: a search
-        back through its inputs that stops at saved tensors and gradients."""
-        stack, seen = list(node.all_input_nodes), set()
+    def _from_another_save(self, node: fx.Node, rounded_alike: bool = False) -> bool:
+        """Whether ``node`` is, or is computed from, a saved tensor other than the target: a
+        search back through its inputs that stops at saved tensors and gradients. ``rounded_alike``:
+        only a save rounded wherever the target is. A forward's input (a parameter, kept as it
+        is) counts only for a target that is one too: then the other save, read from the
+        target's side, counts and is kept."""
+        stack, seen = [node], set()
+        skipped = self.saves.inputs if rounded_alike and self.target not in self.saves.inputs else ()
         while stack:
             current = stack.pop()
             if current in seen or current is self.target:
                 continue
             seen.add(current)
-            if current in self.saved:
-                return True
+            if current in self.saves.all:
+                if current not in skipped:
+                    return True
+                continue
             if not _is_marker(current):
                 stack.extend(current.all_input_nodes)
         return False
+
+    def _exponent_adds_another_save(self, exponent: Any) -> bool:
+        """Whether ``exponent`` (through views, negation and scaling) adds what the target
+        reaches to what another save rounded alike does: ``x - result``. A product
+        (``exp(A * dt)``, a state space model's decay) or a parameter added (``x + bias``)
+        rounds nothing a second time."""
+        while isinstance(exponent, fx.Node) and exponent.op == "call_function":
+            name = _name(exponent.target)
+            if name in _DIVISOR_VIEWS or name == "neg":
+                exponent = exponent.args[0]
+            elif name in ("mul", "div") and len(exponent.args) == 2 and not self._deg(exponent.args[1]):
+                exponent = exponent.args[0]
+            elif name == "mul" and len(exponent.args) == 2 and not self._deg(exponent.args[0]):
+                exponent = exponent.args[1]
+            else:
+                break
+        if not isinstance(exponent, fx.Node) or exponent.op != "call_function":
+            return False
+        if _name(exponent.target) not in ("add", "sub", "rsub"):
+            return False
+        terms = [t for t in exponent.args[:2] if isinstance(t, fx.Node)]
+        return (any(self._deg(t) for t in terms)
+                and any(not self._deg(t) and self._from_another_save(t, rounded_alike=True) for t in terms))
 
     def _counts(self, node: fx.Node) -> bool:
         """Whether ``node`` is computed from boolean and integer saves alone: a count (how
@@ -368,7 +411,7 @@ class _Walk:
             seen.add(current)
             if current is self.target:
                 return False
-            if current in self.saved or _is_marker(current):
+            if current in self.saves.all or _is_marker(current):
                 value = current.meta.get("val")
                 if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex():
                     return False
@@ -383,6 +426,9 @@ class _Walk:
         divisor = node.args[1]
         if not isinstance(divisor, fx.Node) or not self._from_another_save(divisor) or self._counts(divisor):
             return False
+        if (_lower_bound(divisor, self.saves.nonnegative) or 0.0) >= 1:
+            return False  # ``g * e / (1 + e)`` (softplus's backward): a quotient by at least 1 shrinks a step
+
         # Back through views, and through a read marker to the forward's tensor it reads
         # (the marker's own value is laid out anew).
         while divisor.op == "call_function" and (_is_marker(divisor) or _name(divisor.target) in _DIVISOR_VIEWS):
@@ -442,7 +488,7 @@ class _Walk:
             if len(degrees) > 1 and degrees[1]:
                 # A denominator that cannot come near zero (``1 + exp(-x)``, a sigmoid written
                 # out) is a smooth function of what it is computed from; any other is singular.
-                self._record(Use.SMOOTH if _at_least_a_positive_constant(node.args[1]) else Use.SINGULAR, node)
+                self._record(Use.SMOOTH if (_lower_bound(node.args[1], self.saves.nonnegative) or 0.0) > 0 else Use.SINGULAR, node)
                 return 1
             if node.kwargs.get("rounding_mode") is not None or len(node.args) > 2:
                 self._record(Use.EXACT, node)
@@ -467,12 +513,20 @@ class _Walk:
             self._record(Use.EXACT, node)
             return 1
         if name in _SMOOTH:
-            if name in _EXPONENTIALS and self._from_another_save(node):
+            if name in _EXPONENTIALS and self._exponent_adds_another_save(node.args[0]):
                 # exp(x - result): the difference of two rounded values, each far larger than
                 # it, exponentiated (logsumexp's and logcumsumexp's backward).
                 self._record(Use.SINGULAR, node)
             else:
                 self._record(Use.SMOOTH, node)
+            return 1
+        if name in _LOGARITHMS:
+            # Smooth, with a slope of at most 1, where its argument stays 1 clear of its pole:
+            # ``log1p(exp(x))`` (softplus, recomputed in a compiled backward from its saved
+            # ``exp``), ``log(1 + x**2)``.
+            bound = _lower_bound(node.args[0], self.saves.nonnegative)
+            clear = bound is not None and bound >= _LOGARITHMS[name] + 1
+            self._record(Use.SMOOTH if clear else Use.SINGULAR, node)
             return 1
         if "attention" in name and "backward" in name:
             for (arg_name, value), degree in zip(arguments, degrees):
@@ -531,12 +585,20 @@ class _Walk:
         self._record(Use.SINGULAR, node)  # a root, a negative power, or a tensor exponent
         return 1
 
-    def result(self, outputs: Iterable[Any]) -> Read:
+    def result(self, outputs: Iterable[Any], whole_graph: bool = False) -> Read:
+        """The read, from the degrees reaching ``outputs``. ``whole_graph``: the walk is over
+        a compiled region's whole backward, not one op's."""
         degree = max((self._deg(o) for o in outputs), default=0)
         use = self.worst
-        if degree >= 3:
-            # Cubed or more (a normalisation's 1 / std, read as rstd**3): its rounding error
-            # is multiplied into every value at least three times over.
+        if degree >= 3 and whole_graph:
+            # A compiled backward recomputes chains of forward ops from one save (a state
+            # space block's step sizes, inputs and gates from one projection), and their
+            # products raise its degree where no one value is read more than smoothly: the
+            # nonlinear floor.
+            use, self.reason = max(use, Use.SMOOTH), self.reason or "a product of three or more"
+        elif degree >= 3:
+            # Cubed or more by one op's backward (a normalisation's 1 / std, read as
+            # rstd**3): its rounding error is multiplied into every value three times over.
             use, self.reason = max(use, Use.SINGULAR), self.reason or "a power of three or more"
         elif degree >= 2:
             use = max(use, Use.QUADRATIC)
@@ -559,20 +621,22 @@ class _Walk:
 _NONNEGATIVE = frozenset({"exp", "exp2", "sigmoid", "abs", "relu", "square", "softplus", "cosh"})
 
 
-def _at_least_a_positive_constant(value: Any) -> bool:
-    """Whether ``value`` is a positive constant plus something never negative (or the
-    reverse): ``1 + exp(-x)``."""
-    if isinstance(value, (int, float)):
-        return value > 0
-    if not isinstance(value, fx.Node) or value.op != "call_function" or _name(value.target) != "add":
-        return False
-    if len(value.args) != 2 or value.kwargs.get("alpha", 1) != 1:
-        return False
-    terms = list(value.args)
-    constants = [t for t in terms if isinstance(t, (int, float)) and not isinstance(t, bool)]
-    others = [t for t in terms if isinstance(t, fx.Node)]
-    return (len(constants) == 1 and constants[0] > 0 and len(others) == 1 and others[0].op == "call_function"
-            and _name(others[0].target) in _NONNEGATIVE)
+def _lower_bound(value: Any, nonnegative: Collection[fx.Node] = ()) -> float | None:
+    """A bound ``value`` never falls below, where one is seen: a constant; 0 for an op that is
+    never negative or a save the forward computed with one (``nonnegative``); a constant plus
+    something bounded (``1 + exp(-x)``: 1). None where none is seen."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, fx.Node):
+        return None
+    if value in nonnegative or (value.op == "call_function" and _name(value.target) in _NONNEGATIVE):
+        return 0.0
+    if value.op != "call_function" or _name(value.target) != "add" or len(value.args) != 2:
+        return None
+    if value.kwargs.get("alpha", 1) != 1:
+        return None
+    bounds = [_lower_bound(term, nonnegative) for term in value.args]
+    return None if None in bounds else bounds[0] + bounds[1]
 
 
 def _outputs(graph: fx.Graph) -> list:
@@ -601,20 +665,19 @@ def _downstream(target: fx.Node) -> list[fx.Node]:
     return sorted(found, key=position.__getitem__)
 
 
-def classify(target: fx.Node, tangents: Iterable[fx.Node] = (), saved: Collection[fx.Node] = (), *,
+def classify(target: fx.Node, tangents: Iterable[fx.Node] = (), saves: Saves = Saves(), *,
              compiled: bool = False) -> Read:
     """How the graph of ``target`` reads it, from ``target`` to the graph's outputs.
 
     ``target`` is a saved tensor's node in an aten graph (a read marker in a traced
     backward, or a placeholder of a compiled backward); ``tangents`` are the nodes of the
-    incoming gradients, which a pointwise derivative is checked against; ``saved`` are the
-    graph's saved tensors' nodes (a set, shared by every call for one graph). ``compiled``:
-    the graph is a compiled region's whole backward, where the gradient a pointwise op's
-    backward multiplies may be computed from the tangents.
+    incoming gradients, which a pointwise derivative is checked against; ``saves`` are the
+    graph's saved tensors. ``compiled``: the graph is a compiled region's whole backward,
+    where the gradient a pointwise op's backward multiplies may be computed from the tangents.
     """
     tangents = list(tangents)
-    walk = _Walk(target, saved)
-    read = walk.result(_outputs(target.graph))
+    walk = _Walk(target, saves)
+    read = walk.result(_outputs(target.graph), whole_graph=compiled)
     if Use.QUADRATIC <= read.use <= Use.SINGULAR and not walk.compared:
         derivative = PointwiseDerivative.find(target, tangents, walk, compiled)
         if derivative is not None:
@@ -1113,7 +1176,7 @@ def _pointwise_region(target: fx.Node, aliases: list[fx.Node], walk: _Walk, outp
         if any(n not in inside and any(a in inside and a is not result for a in n.all_input_nodes)
                for n in walk.reached):
             continue  # the rest still reads target, or a partial result, besides the region's result
-        downstream = _Walk(result, walk.saved)
+        downstream = _Walk(result, walk.saves)
         if downstream.result(outputs).use > Use.LINEAR or downstream.thresholds:
             continue
         return list(region), [result]
@@ -1342,7 +1405,7 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
             unused.append(slot)
             reads.append(Read(Use.NONE))
         else:  # read twice (a double backward): the stricter
-            reads.append(max((classify(n, tangents, saved) for n in nodes), key=lambda r: r.use))
+            reads.append(max((classify(n, tangents, Saves(saved)) for n in nodes), key=lambda r: r.use))
     if unused:
         # Unpacked, and reaching no gradient as traced: torch's formula may branch on what it
         # is given (prod's backward, for a tensor subclass such as the fake ones traced,
@@ -1662,7 +1725,7 @@ def _reduced_dims(sizes: Any, traced: tuple[int, ...]) -> tuple[int, ...] | None
 _graph_cache: weakref.WeakKeyDictionary[fx.Graph, dict[str, Read]] = weakref.WeakKeyDictionary()
 
 
-def graph_reads(backward: fx.Graph) -> dict[str, Read]:
+def graph_reads(backward: fx.Graph, forward: fx.Graph | None = None) -> dict[str, Read]:
     """How a compiled region's backward graph reads each tensor its forward saves, by the
     name of the placeholder that receives it (the saved forward node's name).
 
@@ -1670,11 +1733,12 @@ def graph_reads(backward: fx.Graph) -> dict[str, Read]:
     into it while it is read tensor by tensor. Backward kernels the compiler left whole
     (``native_batch_norm_backward`` under ``aot_eager``) are decomposed first, by the same
     table as the eager trace's, on fake tensors; where that fails the graph is read as it is
-    (an op the algebra does not know is read as singular: kept exact).
+    (an op the algebra does not know is read as singular: kept exact). ``forward``, the
+    region's forward graph, tells which saves an op never negative computed.
     """
     reads = _graph_cache.get(backward)
     if reads is None:
-        reads = _graph_cache[backward] = in_fresh_thread(lambda: _read_graph(backward))
+        reads = _graph_cache[backward] = in_fresh_thread(lambda: _read_graph(backward, forward))
     return reads
 
 
@@ -1683,13 +1747,19 @@ def is_tangent(node: fx.Node) -> bool:
     return node.name.startswith("tangents")
 
 
-def _read_graph(backward: fx.Graph) -> dict[str, Read]:
+def _read_graph(backward: fx.Graph, forward: fx.Graph | None) -> dict[str, Read]:
     placeholders = [n for n in backward.nodes if n.op == "placeholder"]
     decomposed = _decomposed(backward, placeholders)
     nodes = placeholders if decomposed is None else [n for n in decomposed.nodes if n.op == "placeholder"]
     tangents = [n for p, n in zip(placeholders, nodes) if is_tangent(p)]
     saved = {n for p, n in zip(placeholders, nodes) if not is_tangent(p)}
-    return {p.name: classify(n, tangents, saved, compiled=True)
+    # The partitioner saves softplus's ``exp(x)`` and divides by ``1 + exp(x)`` in backward.
+    forward_nodes = list(forward.nodes) if forward is not None else []
+    never_negative = {n.name for n in forward_nodes if n.op == "call_function" and _name(n.target) in _NONNEGATIVE}
+    inputs = {n.name for n in forward_nodes if n.op == "placeholder"}
+    saves = Saves(saved, {n for p, n in zip(placeholders, nodes) if p.name in never_negative},
+                  {n for p, n in zip(placeholders, nodes) if p.name in inputs})
+    return {p.name: classify(n, tangents, saves, compiled=True)
             for p, n in zip(placeholders, nodes) if not is_tangent(p)}
 
 

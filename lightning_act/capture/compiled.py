@@ -801,7 +801,7 @@ def _saves_cost(forward: fx.GraphModule, backward: fx.GraphModule, capture: Acti
     """The bits a partition's saves cost as :class:`GraphPlan` would store them at ``bits``,
     and the nodes worth saving instead of those that cost more (see :class:`CheaperSaves`):
     the forward ops backward recomputes from them, and their equality outcomes."""
-    reads = graph_reads(backward.graph)
+    reads = graph_reads(backward.graph, forward.graph)
     computed = {n.name: n for n in forward.graph.nodes if n.op == "call_function"}
     saved = {n.name: n for n in forward.graph.nodes if n.name in reads}
     gradient_free = _free_of_tangents(backward.graph)
@@ -1147,7 +1147,7 @@ class GraphPlan:
     """
 
     def __init__(self, forward: fx.Graph, backward: fx.Graph, capture: ActivationCapture):
-        self._reads = graph_reads(backward)
+        self._reads = graph_reads(backward, forward)
         self._capture = capture
         # Each save belongs, as in eager, to the module whose op saved it first: of the
         # backward nodes that read it, the one whose forward op ran first (torch records each
