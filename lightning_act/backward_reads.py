@@ -426,9 +426,9 @@ class _Walk:
         divisor = node.args[1]
         if not isinstance(divisor, fx.Node) or not self._from_another_save(divisor) or self._counts(divisor):
             return False
-        if (_lower_bound(divisor, self.saves.nonnegative) or 0.0) >= 1:
-            return False  # ``g * e / (1 + e)`` (softplus's backward): a quotient by at least 1 shrinks a step
-
+        bound = _lower_bound(divisor, self.saves.nonnegative)
+        if bound is not None and bound >= 1:
+            return False  # ``g * e / (1 + e)`` (softplus's backward): divided by 1 or more, a step shrinks
         # Back through views, and through a read marker to the forward's tensor it reads
         # (the marker's own value is laid out anew).
         while divisor.op == "call_function" and (_is_marker(divisor) or _name(divisor.target) in _DIVISOR_VIEWS):
@@ -488,7 +488,8 @@ class _Walk:
             if len(degrees) > 1 and degrees[1]:
                 # A denominator that cannot come near zero (``1 + exp(-x)``, a sigmoid written
                 # out) is a smooth function of what it is computed from; any other is singular.
-                self._record(Use.SMOOTH if (_lower_bound(node.args[1], self.saves.nonnegative) or 0.0) > 0 else Use.SINGULAR, node)
+                bound = _lower_bound(node.args[1], self.saves.nonnegative)
+                self._record(Use.SMOOTH if bound is not None and bound > 0 else Use.SINGULAR, node)
                 return 1
             if node.kwargs.get("rounding_mode") is not None or len(node.args) > 2:
                 self._record(Use.EXACT, node)
