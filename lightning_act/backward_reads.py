@@ -1753,15 +1753,15 @@ def _read_graph(backward: fx.Graph, forward: fx.Graph | None) -> dict[str, Read]
     decomposed = _decomposed(backward, placeholders)
     nodes = placeholders if decomposed is None else [n for n in decomposed.nodes if n.op == "placeholder"]
     tangents = [n for p, n in zip(placeholders, nodes) if is_tangent(p)]
-    saved = {n for p, n in zip(placeholders, nodes) if not is_tangent(p)}
-    # The partitioner saves softplus's ``exp(x)`` and divides by ``1 + exp(x)`` in backward.
-    forward_nodes = list(forward.nodes) if forward is not None else []
-    never_negative = {n.name for n in forward_nodes if n.op == "call_function" and _name(n.target) in _NONNEGATIVE}
-    inputs = {n.name for n in forward_nodes if n.op == "placeholder"}
-    saves = Saves(saved, {n for p, n in zip(placeholders, nodes) if p.name in never_negative},
-                  {n for p, n in zip(placeholders, nodes) if p.name in inputs})
-    return {p.name: classify(n, tangents, saves, compiled=True)
-            for p, n in zip(placeholders, nodes) if not is_tangent(p)}
+    saved = {p.name: n for p, n in zip(placeholders, nodes) if not is_tangent(p)}
+    # What the forward computed each save with: the partitioner saves softplus's ``exp(x)``
+    # and divides by ``1 + exp(x)`` in backward; a forward input is a parameter or the like.
+    made_by = {n.name: n for n in forward.nodes} if forward is not None else {}
+    saves = Saves(set(saved.values()),
+                  {n for name, n in saved.items() if name in made_by and made_by[name].op == "call_function"
+                   and _name(made_by[name].target) in _NONNEGATIVE},
+                  {n for name, n in saved.items() if name in made_by and made_by[name].op == "placeholder"})
+    return {name: classify(n, tangents, saves, compiled=True) for name, n in saved.items()}
 
 
 def _decomposed(backward: fx.Graph, placeholders: list[fx.Node]) -> fx.Graph | None:
