@@ -185,7 +185,7 @@ def test_fit_summary_states_kept_memory_and_peak(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("accelerator", [
-    "cpu",
+    pytest.param("cpu", marks=pytest.mark.slow),  # a batch search: 2.5 s
     pytest.param("gpu", marks=[pytest.mark.cuda,
                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
 ])

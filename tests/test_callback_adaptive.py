@@ -31,7 +31,7 @@ def loader():
     return DataLoader(make_images(), batch_size=32)
 
 
-@pytest.mark.parametrize("estimator", ["gradient", "probe"])
+@pytest.mark.parametrize("estimator", ["gradient", pytest.param("probe", marks=pytest.mark.slow)])  # 2 s
 def test_recalibrates_and_logs_every_panel_to_tensorboard(tmp_path, estimator):
     callback = ActCompression(budget=2.0, estimator=estimator, warmup_steps=2, calibration_steps=2,
                               recalibrate_every_n_steps=4, min_numel=256)
@@ -82,6 +82,7 @@ class Snapshot(Callback):
         )
 
 
+@pytest.mark.slow  # 1.5 s
 def test_probes_leave_rng_batchnorm_and_accumulated_grads_alone(tmp_path):
     store = {}
     callback = ActCompression(budget=2.0, estimator="probe", warmup_steps=1, recalibrate_every_n_steps=2,

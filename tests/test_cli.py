@@ -60,7 +60,9 @@ def test_every_config_has_a_run():
     assert sorted(CONFIG_RUNS) == sorted(path.name for path in CONFIGS.glob("*.yaml"))
 
 
-@pytest.mark.parametrize("name", sorted(CONFIG_RUNS))
+# The quickstart's config in the default run; the others (2-4 s each) with the slow checks.
+@pytest.mark.parametrize("name", [name if name == "quickstart.yaml" else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in sorted(CONFIG_RUNS)])
 def test_config_fast_dev_run(name, in_tmp):
     data, overrides = CONFIG_RUNS[name]
     if data is not None and not (DATA / data).is_dir():
@@ -135,6 +137,7 @@ def test_quickstart_is_the_default(in_tmp, capsys):
     assert compression["init_args"]["bits"] == 2
 
 
+@pytest.mark.slow  # the README's main job, 3 epochs: 14 s
 def test_quickstart_runs_and_prints_the_summary(tmp_path):
     # The quickstart as shipped, cut to a few small steps; `python -m lightning_act` end to end.
     result = run_module(

@@ -70,7 +70,7 @@ def exact_grads(model, run, x, y):
     return grads_of(model)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", [pytest.param("aot_eager", marks=pytest.mark.slow), "inductor"])  # 2.5 s each
 def test_a_compiled_graph_is_compressed_as_eager_decides(backend):
     """Every tensor the graph saves is decided from the compiled backward graph: the same
     count and bytes as eager on an MLP, module rules apply inside the graph, 8 bits close."""
@@ -96,6 +96,7 @@ def test_a_compiled_graph_is_compressed_as_eager_decides(backend):
     assert capture.report.modules["3"].bits_label() == "-"
 
 
+@pytest.mark.slow  # 2 s
 def test_two_steps_store_different_noise_without_recompiling():
     """The seed is not a graph constant: each step rounds with fresh noise, so at 2 bits the
     mean of 16 steps' gradients (same weights and batch) is far closer than one step's."""
@@ -482,6 +483,7 @@ def test_a_compiled_lightning_module_trains_under_the_callback():
     assert model.losses[-1] < model.losses[0]
 
 
+@pytest.mark.slow  # 2.5 s
 def test_the_adaptive_allocation_reaches_a_compiled_graph_with_one_recompile():
     """The probes run the compiled module eagerly (its backward frees what it saved, so it
     cannot run once per probe); the graph's saves take the slots of the ops that save them
@@ -603,7 +605,8 @@ def test_a_module_compiled_in_place_runs_with_the_op_tracker_off():
         tracker_on()  # outside the compiled call: on again
     noisy = torch.autograd.grad(loss, list(model.parameters()))
     assert seen == [False, True]
-    assert all(rel_err(a, b) < 1e-2 for a, b in zip(noisy, exact))
+    # 8 bits on 256 values, the linear's input among them: 0.008-0.0095 by the noise drawn.
+    assert all(rel_err(a, b) < 2e-2 for a, b in zip(noisy, exact))
 
 
 @pytest.mark.slow
@@ -784,6 +787,7 @@ class AttentionBlock(nn.Module):
         return self.head(x.mean(1))
 
 
+@pytest.mark.slow  # 2.5 s
 def test_a_graph_saves_the_softmax_and_gelus_derivative_not_what_it_would_recompute_them_from():
     """Min-cut alone saves attention's scores and recomputes the softmax from them in
     backward, which reads them through ``exp(s - max)``: kept exact. In a session the graph
@@ -1141,26 +1145,35 @@ class Recurrent(nn.Module):
         return self.head(self.rnn(self.embed(tokens))[0])
 
 
-@pytest.mark.slow  # a graph break in nn.GRU: 8 s
-def test_a_recurrent_submodule_of_a_compiled_model_is_kept_exact_and_said():
-    """Dynamo breaks the graph inside ``nn.GRU``'s forward and runs the rest eagerly, where no
-    module hook turns the op tracker back on: its saves go unseen, kept exact, and the
-    capture says so (compiled alone, the GRU runs eagerly through its module call, tracked)."""
-    model = seeded(Recurrent)
-    model.compile(backend="aot_eager")
+@pytest.mark.slow  # a graph break at nn.GRU: 8 s
+def test_a_recurrent_submodule_of_a_compiled_model_is_stored_as_eager_stores_it():
+    """Dynamo breaks the graph at ``nn.GRU`` (it will not trace RNNs) and runs the GRU's
+    module call natively, but still compiles each frame it enters there, the module hooks'
+    own included: traced, they did nothing, the op tracker stayed off and the GRU's saves
+    were kept exact. Skipped as frames, they turn the tracker on: the GRU is stored as in
+    eager mode, and the pack hook is never compiled (it recompiled at every save, on each
+    tensor's storage address)."""
     tokens = torch.randint(0, 32, (4, 24))
-    torch._dynamo.utils.clear_compilation_metrics()  # what this test compiles, not earlier ones
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with compress_activations(model, inputs=tokens, bits=2, min_numel=1) as capture:
-            loss = model(tokens).square().mean()
-        loss.backward()
-    assert capture.report.counts["kept"] > 100  # its 24 steps' gates and states, unseen
-    assert any("nn.GRU" in str(w.message) for w in caught)
-    # The GRU's eager code runs under Dynamo's frame hook, which compiled the pack hook at each
-    # save, recompiling on each tensor's storage address, until the hook was never compiled.
-    compiled = {metrics.co_name or "" for metrics in torch._dynamo.utils.get_compilation_metrics()}
-    assert not any("_pack" in name for name in compiled), compiled
+    reports, grads = [], []
+    for compile_it in (False, True):
+        model = seeded(Recurrent)
+        if compile_it:
+            model.compile(backend="aot_eager")
+            torch._dynamo.utils.clear_compilation_metrics()  # what this test compiles, not earlier ones
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with compress_activations(model, inputs=tokens, bits=8, min_numel=1, seed=0) as capture:
+                loss = model(tokens).square().mean()
+            loss.backward()
+        assert not [w for w in caught if "kept exact" in str(w.message)]
+        reports.append(capture.report)
+        grads.append(grads_of(model))
+    eager, compiled = reports
+    assert compiled.counts == eager.counts and compiled.counts["compressed"] > 100  # 24 steps' gates and states
+    assert compiled.stored_bytes == eager.stored_bytes < eager.saved_bytes / 2  # 8 bits: 4x, less statistics
+    assert rel_err(grads[1], grads[0]) < 1e-2
+    compiled_frames = {metrics.co_name or "" for metrics in torch._dynamo.utils.get_compilation_metrics()}
+    assert not any("_pack" in name for name in compiled_frames), sorted(compiled_frames)
 
 
 def test_a_decomposed_safe_softmax_reads_its_rows_from_its_divisor():

@@ -463,7 +463,7 @@ def test_a_softmax_over_rows_shorter_than_a_group_keeps_its_output_exact(compile
     assert capture.report.counts.get("kept") == 1  # the probabilities; before, all 8 float saves rounded
 
 
-@pytest.mark.parametrize("cell", [nn.GRU, nn.LSTM, nn.RNN])
+@pytest.mark.parametrize("cell", [pytest.param(nn.GRU, marks=pytest.mark.slow), nn.LSTM, nn.RNN])  # GRU: 1.5 s
 def test_recurrent_calls_are_read_as_the_trace_of_a_short_sequence_reads_them(cell):
     """Recurrent calls are not traced (the trace grows with the sequence): their float saves
     get the quadratic floor. The trace of a short sequence shows nothing stricter: each

@@ -35,6 +35,7 @@ def sensitivities(model, x, method, **kwargs):
     return probe_sensitivities(capture, lambda: model(x).square().mean(), params, inputs=x, method=method, **kwargs)
 
 
+@pytest.mark.slow  # a backward per tensor: 4.5 s
 def test_linearized_probes_measure_what_a_backward_per_tensor_measures():
     torch.manual_seed(0)
     model, x = Deep(depth=3), torch.randn(256, 32)
@@ -53,6 +54,10 @@ def test_linearized_probes_measure_what_a_backward_per_tensor_measures():
 
 
 def test_the_number_of_backward_passes_does_not_grow_with_depth(monkeypatch):
+    # How each op's backward reads its saves is traced once per call signature, with backward
+    # passes of its own, and cached: traced before counting.
+    torch.manual_seed(0)
+    sensitivities(Deep(1), torch.randn(64, 32), "linearized", directions=2)
     grads = []
     original = torch.autograd.grad
 

@@ -241,6 +241,7 @@ def _fit(act, steps, module=None, extra=()):
     return peaks.peaks
 
 
+@pytest.mark.slow  # a fit of several plans: 8 s
 def test_callback_holds_every_step_under_the_target():
     _live_counter()
     exact = _fit(ActCompression(bits=8, rules={"*": "exact"}, min_numel=1024), 4)
@@ -257,6 +258,7 @@ def test_callback_holds_every_step_under_the_target():
     assert any(bits != 1 for bits in act.policy.assignment.values())
 
 
+@pytest.mark.slow  # 2 s
 def test_callback_names_the_least_reachable_peak():
     _live_counter()
     with pytest.raises(MemoryTargetError, match=r"cannot be met at this batch.* step 1 peaked.*least reachable "
@@ -264,6 +266,7 @@ def test_callback_names_the_least_reachable_peak():
         _fit(ActCompression(memory_target="1MiB", estimator="gradient"), 3)
 
 
+@pytest.mark.slow  # 4 s
 def test_callback_names_an_unreachable_target_at_the_first_step():
     """Lightning runs the forward and backward inside ``optimizer.step``'s closure: the peak
     before the update is taken where the callback hears of it. The first update allocates
@@ -277,6 +280,7 @@ def test_callback_names_an_unreachable_target_at_the_first_step():
         _fit(ActCompression(memory_target=(first + second) // 2, min_numel=1024, estimator="gradient"), 3)
 
 
+@pytest.mark.slow  # a batch search, a fit per size: 8 s
 def test_batch_size_finder_picks_a_batch_the_target_fits():
     """Power scaling from 16: the target lies between the floor peaks of batches 64 and 256,
     measured in this process (whose other live tensors count as well). The search runs
@@ -313,6 +317,7 @@ def _plain_steps(model, loader, optimizer, target, steps):
     return peaks
 
 
+@pytest.mark.slow  # 3 s
 def test_plain_loop_holds_every_step_under_the_target():
     """MemoryTarget without Lightning: the same loop, around a hand-written step."""
     _live_counter()
@@ -337,6 +342,7 @@ def test_plain_loop_holds_every_step_under_the_target():
         run(MemoryTarget(model, floor // 2, optimizers=[optimizer]), 3)
 
 
+@pytest.mark.slow  # 2.5 s
 def test_an_unreachable_target_is_named_at_the_first_step_with_the_state_it_allocates():
     """Adam allocates its state in the first update, after the first step's peak: the second
     step peaks higher by it. A target between the two is unreachable, and said so at step 1."""

@@ -54,7 +54,7 @@ LIBRARY_DATA = {
     "torchvision": "cifar10",
 }
 # Four models, about 17 s together on a busy 2-core CPU; the others are slow.
-FAST = frozenset({"hf_llama", "hf_llama_checkpointing", "hf_bert", "torch_lstm"})
+FAST = frozenset({"hf_llama", "torch_lstm"})
 
 # What each model misses today, and why (measured with benchmarks/model_libraries.py).
 KNOWN_FAILURES = {

@@ -47,6 +47,7 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+@pytest.mark.slow  # 4 s
 def test_limit_keeps_nothing_and_bounds_the_compressed_peak(peak_memory):
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
@@ -115,6 +116,7 @@ def test_step_peak_on_the_cpu_sees_a_freed_allocation():
         assert live + 16 * MIB <= peak.peak_bytes() < live + 17 * MIB
 
 
+@pytest.mark.slow  # 2.5 s
 def test_the_step_that_surveys_group_axes_peaks_with_the_steps_after_it(peak_memory):
     """The first step surveys each slot's group axis, a piece of the tensor at a time: its
     temporaries stay a small share of the tensor it stores, so that step peaks with the

@@ -291,7 +291,7 @@ def test_a_learning_rate_of_zero_ranks_the_tensors_by_the_gradient(method):
         assert frozen[slot][2] == pytest.approx(gradient[slot][2], rel=1e-5)
 
 
-@pytest.mark.parametrize("method", ["per_tensor", "linearized"])
+@pytest.mark.parametrize("method", ["per_tensor", pytest.param("linearized", marks=pytest.mark.slow)])  # 4 s
 def test_probe_blends_the_gradient_and_update_norms_at_equal_footing(method):
     # Weights that favour the first layer's parameters 1000-fold: the update norm then ranks
     # the slots differently from the gradient norm, and the blend is their mix, the

@@ -80,6 +80,7 @@ def test_settings_example():
     assert isinstance(callback, ActCompression) and not callback.adaptive and callback.config.bits == 2
 
 
+@pytest.mark.slow  # 1.5 s
 def test_adaptive_pytorch_example(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ns = _run("adaptive-pytorch")
@@ -89,6 +90,7 @@ def test_adaptive_pytorch_example(tmp_path, monkeypatch):
     assert capture.report.stored_bytes < capture.report.saved_bytes
 
 
+@pytest.mark.slow  # a target's plans over several steps: 8 s
 def test_plain_target_example():
     """In a process of its own: the target bounds every live tensor of the process, and a
     test session holds others."""

@@ -381,9 +381,10 @@ def images() -> DataLoader:
     "precision,element_bits,least_ratio",
     [
         ("32", 32, 10.0),
-        ("bf16-mixed", 16, 5.0),
-        ("bf16-true", 16, 5.0),
-        ("16-true", 16, 5.0),
+        # Half precision on a CPU: 1.5-2 s each.
+        pytest.param("bf16-mixed", 16, 5.0, marks=pytest.mark.slow),
+        pytest.param("bf16-true", 16, 5.0, marks=pytest.mark.slow),
+        pytest.param("16-true", 16, 5.0, marks=pytest.mark.slow),
         # On the CPU Lightning turns 16-mixed into bf16-mixed (with a warning): a GPU runs it.
         pytest.param("16-mixed", 16, 5.0, marks=needs_cuda),
     ],
@@ -475,6 +476,7 @@ def test_activation_checkpointing_is_not_compressed_twice(checkpointing):
 
 
 # ----------------------------------------------------------------------------- resume
+@pytest.mark.slow  # two fits: 2 s
 def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path):
     def adaptive():
         return ActCompression(budget=2.0, warmup_steps=2, recalibrate_every_n_steps=100, min_numel=256)

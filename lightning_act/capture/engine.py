@@ -33,6 +33,9 @@ from typing import Any
 import torch
 import torch._functorch.config as functorch_config
 from torch import nn
+from torch._C._dynamo.eval_frame import get_eval_frame_callback, set_code_exec_strategy
+from torch._dynamo import trace_rules
+from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_act import backward_reads
@@ -324,9 +327,9 @@ class ActivationCapture:
         tracker off, and no compiled graph packed any save: every tensor it saved went to
         the eager hooks unseen and was kept exact, the peak of no compression. Dynamo runs
         such code eagerly once it has recompiled a function ``recompile_limit`` times (a fit
-        per fresh model in one process, shapes that change), where compiling failed, and
-        after a graph break inside a submodule's forward (an ``nn.GRU`` inside a compiled
-        model: no module hook runs there to turn the tracker back on)."""
+        per fresh model in one process, shapes that change), where compiling failed, and for
+        a call it breaks the graph at and cannot trace, made outside a submodule's call (a
+        submodule called eagerly, such as ``nn.GRU``, turns the tracker back on)."""
         if not self._unseen_saves or self._graph_packed or self._warned_graphs_skipped:
             return
         self._warned_graphs_skipped = True
@@ -335,8 +338,8 @@ class ActivationCapture:
             f"lightning_act: code of a compiled module ran eagerly in this step and no compiled graph stored "
             f"anything: {self._unseen_saves} saved tensors reached the eager hooks unseen and were kept exact, "
             "uncompressed. Dynamo runs code eagerly once it has recompiled a function "
-            f"torch._dynamo.config.recompile_limit times ({limit}), where compiling failed, and after a graph "
-            "break inside a submodule's forward (nn.GRU, nn.LSTM); its log names the function. Raise the limit, "
+            f"torch._dynamo.config.recompile_limit times ({limit}), where compiling failed, and for a call it "
+            "breaks the graph at and cannot trace; its log names the function. Raise the limit, "
             "mark the changing sizes dynamic, call torch._dynamo.reset() between fits of fresh models, or compile "
             "the submodules Dynamo can trace rather than the whole model.",
             stacklevel=2,
@@ -1070,9 +1073,25 @@ class _SharedModuleHooks:
         # fire once more for the compiled wrapper; these hooks expect that.
         warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
 
+    # Where Dynamo leaves compiled code to run natively (at a graph break, or a whole frame
+    # it could not compile), its frame hook still compiles each frame entered there, these
+    # hooks' included: traced, they saw is_compiling() and did nothing. That is right for a
+    # module whose forward Dynamo then compiles, not for one it runs natively (torch's own
+    # modules: nn.GRU, which it will not trace, and the modules around it): the op tracker
+    # stayed off through them and every tensor they saved was kept exact (a two-layer GRU
+    # in a model compiled whole: 7.32x eager's bytes). So the hooks run natively (set
+    # below), read whether the frame hook is on, and hand over to bodies whose calls all
+    # run natively too.
+
     @classmethod
     def _enter(cls, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling() or not cls.capturing:
+            return
+        cls._entered(module, get_eval_frame_callback() is not None)
+
+    @classmethod
+    def _entered(cls, module: nn.Module, under_frame_hook: bool) -> None:
+        if under_frame_hook and not _dynamo_runs_natively(module):
             return
         for capture in cls.capturing:
             capture._enter_module(module)
@@ -1084,6 +1103,12 @@ class _SharedModuleHooks:
     @classmethod
     def _leave(cls, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
+            return
+        cls._left(module, output, get_eval_frame_callback() is not None)
+
+    @classmethod
+    def _left(cls, module: nn.Module, output: Any, under_frame_hook: bool) -> None:
+        if under_frame_hook and not _dynamo_runs_natively(module):
             return
         for capture in cls.capturing:
             capture._leave_module(module, output)
@@ -1100,6 +1125,34 @@ class _SharedModuleHooks:
         """After the last session stops: no module call left to restore a state for."""
         if not cls.capturing:
             cls._switched.clear()
+
+
+# The hooks run natively, never compiled by Dynamo's frame hook (which they read, so only
+# their own frames are skipped); their bodies, and the tracker's handler, with all they call.
+# Where Dynamo traces a module call it still inlines the hooks.
+_NATIVE_FRAME = FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT)
+_NATIVE_CALLS = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+for _function, _strategy in ((_SharedModuleHooks._enter, _NATIVE_FRAME), (_SharedModuleHooks._leave, _NATIVE_FRAME),
+                             (_SharedModuleHooks._entered, _NATIVE_CALLS), (_SharedModuleHooks._left, _NATIVE_CALLS),
+                             (OpTracker.__torch_function__, _NATIVE_CALLS)):
+    set_code_exec_strategy(getattr(_function, "__func__", _function).__code__, _strategy)
+
+
+def _dynamo_runs_natively(module: nn.Module) -> bool:
+    """Whether Dynamo's frame hook leaves ``module``'s forward to run natively, as its trace
+    rules do for torch's own modules (it inlines them only inside a frame it traces)."""
+    forward = getattr(module.forward, "__func__", module.forward)
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return False
+    native = _NATIVE_FORWARDS.get(code)
+    if native is None:
+        native = _NATIVE_FORWARDS[code] = bool(trace_rules.check(code))
+    return native
+
+
+#: Forward code objects, each with whether Dynamo's frame hook runs it natively.
+_NATIVE_FORWARDS: dict[Any, bool] = {}
 
 
 def runs_compiled(module: nn.Module) -> bool:
