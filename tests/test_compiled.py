@@ -1176,6 +1176,49 @@ def test_a_recurrent_submodule_of_a_compiled_model_is_stored_as_eager_stores_it(
     assert not any("_pack" in name for name in compiled_frames), sorted(compiled_frames)
 
 
+@pytest.mark.slow  # a graph break at nn.GRU: 3 s
+def test_where_dynamo_runs_a_model_natively_the_tracker_watches_torchs_modules_not_the_compiled_ones():
+    """Dynamo gives up on a forward that calls ``nn.GRU`` and runs it natively; inside, it runs
+    torch's own modules natively (the tracker watches them: the GRU is compressed) and
+    compiles the forward of each of the model's own blocks, which ``nn.Sequential`` calls
+    (the tracker is off there, as in any compiled frame)."""
+    watching = []
+
+    @torch._dynamo.disable
+    def note():
+        watching.append(capture._tracker.watching)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, x):
+            note()
+            return torch.tanh(self.lin(x))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.rnn = nn.Embedding(32, 32), nn.GRU(32, 32, batch_first=True)
+            self.blocks = nn.Sequential(Block(), Block())
+
+        def forward(self, tokens):
+            return self.blocks(self.rnn(self.embed(tokens))[0])
+
+    model = seeded(Model)
+    run = torch.compile(model, backend="aot_eager")
+    tokens = torch.randint(0, 32, (4, 12))
+    for _ in range(2):
+        watching.clear()
+        with compress_activations(model, inputs=tokens, bits=8, min_numel=1) as capture:
+            loss = run(tokens).square().mean()
+        loss.backward()
+        assert watching == [False, False]
+        assert "kept" not in capture.report.counts and capture.report.counts["compressed"] > 50
+        assert capture._unseen_saves == 0
+
+
 def test_a_decomposed_safe_softmax_reads_its_rows_from_its_divisor():
     """Inductor decomposes ``_safe_softmax`` (SDPA's math path, with a mask or dropout) into
     ``where(row all masked, zeros, exp / sum)``, every node marked as the softmax. Its rows are

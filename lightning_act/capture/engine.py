@@ -1075,13 +1075,13 @@ class _SharedModuleHooks:
 
     # Where Dynamo leaves compiled code to run natively (at a graph break, or a whole frame
     # it could not compile), its frame hook still compiles each frame entered there, these
-    # hooks' included: traced, they saw is_compiling() and did nothing. That is right for a
-    # module whose forward Dynamo then compiles, not for one it runs natively (torch's own
-    # modules: nn.GRU, which it will not trace, and the modules around it): the op tracker
-    # stayed off through them and every tensor they saved was kept exact (a two-layer GRU
-    # in a model compiled whole: 7.32x eager's bytes). So the hooks run natively (set
-    # below), read whether the frame hook is on, and hand over to bodies whose calls all
-    # run natively too.
+    # hooks' included: traced, they saw is_compiling() and did nothing, so the op tracker
+    # stayed off through the modules Dynamo then runs natively (torch's own: nn.GRU, which
+    # it will not trace, and those around it), and every tensor they saved was kept exact (a
+    # two-layer GRU in a model compiled whole: 7.32x eager's bytes). So the hooks run
+    # natively (set below): there the tracker watches a module whose forward Dynamo runs
+    # natively and not one whose forward it compiles. Their bodies, and all they call, are
+    # never compiled as frames.
 
     @classmethod
     def _enter(cls, module: nn.Module, args: Any) -> None:
@@ -1091,11 +1091,9 @@ class _SharedModuleHooks:
 
     @classmethod
     def _entered(cls, module: nn.Module, under_frame_hook: bool) -> None:
-        if under_frame_hook and not _dynamo_runs_natively(module):
-            return
         for capture in cls.capturing:
             capture._enter_module(module)
-        watch = not runs_compiled(module)
+        watch = not runs_compiled(module) and (not under_frame_hook or _dynamo_runs_natively(module))
         if watch != cls.capturing[-1]._tracker.watching:
             cls._switched.append((module, not watch))
             cls._watch(watch)
@@ -1103,12 +1101,6 @@ class _SharedModuleHooks:
     @classmethod
     def _leave(cls, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
-            return
-        cls._left(module, output, get_eval_frame_callback() is not None)
-
-    @classmethod
-    def _left(cls, module: nn.Module, output: Any, under_frame_hook: bool) -> None:
-        if under_frame_hook and not _dynamo_runs_natively(module):
             return
         for capture in cls.capturing:
             capture._leave_module(module, output)
@@ -1127,14 +1119,13 @@ class _SharedModuleHooks:
             cls._switched.clear()
 
 
-# The hooks run natively, never compiled by Dynamo's frame hook (which they read, so only
-# their own frames are skipped); their bodies, and the tracker's handler, with all they call.
-# Where Dynamo traces a module call it still inlines the hooks.
+# The hooks run natively, never compiled by Dynamo's frame hook: ``_enter`` reads whether it
+# is on, so only its own frame is skipped; the rest, and the tracker's handler, with all they
+# call. Where Dynamo traces a module call it still inlines the hooks.
 _NATIVE_FRAME = FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT)
 _NATIVE_CALLS = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
-for _function, _strategy in ((_SharedModuleHooks._enter, _NATIVE_FRAME), (_SharedModuleHooks._leave, _NATIVE_FRAME),
-                             (_SharedModuleHooks._entered, _NATIVE_CALLS), (_SharedModuleHooks._left, _NATIVE_CALLS),
-                             (OpTracker.__torch_function__, _NATIVE_CALLS)):
+for _function, _strategy in ((_SharedModuleHooks._enter, _NATIVE_FRAME), (_SharedModuleHooks._entered, _NATIVE_CALLS),
+                             (_SharedModuleHooks._leave, _NATIVE_CALLS), (OpTracker.__torch_function__, _NATIVE_CALLS)):
     set_code_exec_strategy(getattr(_function, "__func__", _function).__code__, _strategy)
 
 
