@@ -244,9 +244,13 @@ def _fit(act, steps, module=None, extra=()):
 @pytest.mark.slow  # a fit of several plans: 8 s
 def test_callback_holds_every_step_under_the_target():
     _live_counter()
+    gc.collect()
+    # The counter sees every live tensor of the process, what earlier tests left included
+    # (85 MiB after the slow checks before this one): the floor is compared above that.
+    before = torch.ops.lightning_act.live_memory_read()[0]
     exact = _fit(ActCompression(bits=8, rules={"*": "exact"}, min_numel=1024), 4)
     floor = _fit(ActCompression(bits=1, min_numel=1024), 4)
-    assert floor[-1] < 0.9 * exact[-1]
+    assert floor[-1] - before < 0.9 * (exact[-1] - before)
     target = (floor[-1] + exact[-1]) // 2
     act = ActCompression(memory_target=target, min_numel=1024, estimator="gradient")
     peaks = _fit(act, 8)
