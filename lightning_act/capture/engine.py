@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import hashlib
 import importlib.metadata
 import math
 import os
 import sys
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -1132,18 +1134,13 @@ for _function, _strategy in ((_SharedModuleHooks._enter, _NATIVE_FRAME), (_Share
 def _dynamo_runs_natively(module: nn.Module) -> bool:
     """Whether Dynamo's frame hook leaves ``module``'s forward to run natively, as its trace
     rules do for torch's own modules (it inlines them only inside a frame it traces)."""
-    forward = getattr(module.forward, "__func__", module.forward)
-    code = getattr(forward, "__code__", None)
-    if code is None:
-        return False
-    native = _NATIVE_FORWARDS.get(code)
-    if native is None:
-        native = _NATIVE_FORWARDS[code] = bool(trace_rules.check(code))
-    return native
+    code = getattr(getattr(module.forward, "__func__", module.forward), "__code__", None)
+    return code is not None and _skipped_by_frame_hook(code)
 
 
-#: Forward code objects, each with whether Dynamo's frame hook runs it natively.
-_NATIVE_FORWARDS: dict[Any, bool] = {}
+@functools.cache
+def _skipped_by_frame_hook(code: types.CodeType) -> bool:
+    return bool(trace_rules.check(code))
 
 
 def runs_compiled(module: nn.Module) -> bool:
