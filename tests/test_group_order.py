@@ -113,13 +113,13 @@ def test_the_survey_step_stores_in_memory_order_and_later_steps_in_the_chosen_on
     model, x = Projection(), outlier_features(generator)
     capture = ActivationCapture(CompressionConfig(bits=2, min_numel=0), model, FixedBits(2))
     packed_column_major = []
-    quantize_pack = ops.quantize_pack
+    quantize_pack = quant._QUANTIZE_PACK
 
-    def spy(dense, bits, group_size, seed, column_major=False):
+    def spy(dense, bits, group_size, seed, column_major):
         packed_column_major.append(column_major)
         return quantize_pack(dense, bits, group_size, seed, column_major)
 
-    monkeypatch.setattr(ops, "quantize_pack", spy)
+    monkeypatch.setattr(quant, "_QUANTIZE_PACK", spy)
     for seed in range(3):
         with capture.capturing(inputs=x, seed=seed):
             loss = model(x)

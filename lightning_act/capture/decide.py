@@ -646,10 +646,16 @@ class _Unkeyed(Exception):
 def _argument_key(value, same: dict[int, int]):
     def tensor_key(t: torch.Tensor) -> tuple:
         index = same.setdefault(id(t), len(same))
-        if t.layout != torch.strided or t.is_nested:
+        if t.layout is not torch.strided or t.is_nested:
             return index, t.dtype, t.layout, t.requires_grad
-        return (index, t.dtype, t.shape, t.stride(), t.requires_grad, t.grad_fn is None,
-                source_parameter(t)[0] is not None, t.device)
+        node = t.grad_fn
+        # A tensor no view or cast made, and no parameter, is none in disguise: told without
+        # the look at its history (most arguments of most calls).
+        if t._base is None and not _is_parameter(t) and (node is None or node.name() not in _VIEW_OR_CAST_NODES):
+            disguised = False
+        else:
+            disguised = source_parameter(t)[0] is not None
+        return index, t.dtype, t.shape, t.stride(), t.requires_grad, node is None, disguised, t.device
 
     def unknown(other):
         raise _Unkeyed

@@ -7,6 +7,11 @@ import torch
 from lightning_act import ops
 
 
+# The ops' overloads, called directly where the kernels are known to be loaded.
+_QUANTIZE_PACK = torch.ops.lightning_act.quantize_pack.default
+_UNPACK_DEQUANTIZE = torch.ops.lightning_act.unpack_dequantize.default
+
+
 class QuantizedTensor:
     """A tensor stored as packed ``bits``-bit codes plus per-group bfloat16 statistics."""
 
@@ -31,9 +36,12 @@ class QuantizedTensor:
 
     def unpack(self) -> torch.Tensor:
         """A new contiguous tensor of the original shape and dtype."""
-        numel = self.shape.numel()
-        flat = ops.unpack_dequantize(self.codes, self.stats, self.bits, self.group_size, numel, self.dtype,
-                                     *self.matrix)
+        # The op itself, not its checked wrapper: packing loaded the kernels for this device,
+        # and a step decodes every record (the wrapper's check and the op packet's dispatch
+        # were a fifth of a small record's decode).
+        rows, columns = self.matrix
+        flat = _UNPACK_DEQUANTIZE(self.codes, self.stats, self.bits, self.group_size, self.shape.numel(), self.dtype,
+                                  rows, columns)
         return flat.view(self.shape)
 
 
@@ -65,5 +73,6 @@ class GroupQuantCodec:
             matrix = (dense.shape[group_axis], dense.shape[group_axis + 1:].numel())
             source = dense.view(-1, *matrix)
         # detached: the record must not hold the autograd graph of what it stores
-        codes, stats = ops.quantize_pack(source.detach(), bits, self.group_size, seed, group_axis is not None)
+        ops.ensure_kernels(source.device)
+        codes, stats = _QUANTIZE_PACK(source.detach(), bits, self.group_size, seed, group_axis is not None)
         return QuantizedTensor(codes, stats, bits, self.group_size, dense.shape, dense.dtype, matrix)
