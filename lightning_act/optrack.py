@@ -97,6 +97,8 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 def autocast_state() -> tuple:
     """``(device, dtype, cache_enabled)`` of each device's autocast in force: what a call casts
     its arguments to, and so what it saves."""
+    if not torch._C._is_any_autocast_enabled():  # the common case, asked once: every tracked call asks
+        return ()
     return tuple(
         (device, torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled())
         for device in _AUTOCAST_DEVICES
