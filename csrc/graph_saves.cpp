@@ -382,7 +382,13 @@ at::Tensor unpack_saved(at::TensorList parts, c10::SymIntArrayRef sym_size, c10:
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     at::Tensor kept = kept_input_locked(s, parts[0]);
-    if (kept.defined()) return kept;
+    if (kept.defined()) {
+      // An input kept alive, with the saved tensor's sizes and strides: a plan may pack a
+      // view of it (a channels-last tensor's memory order as a matrix).
+      const at::IntArrayRef size = C10_AS_INTARRAYREF_SLOW(sym_size);
+      if (kept.sizes() == size) return kept;
+      return kept.as_strided(size, C10_AS_INTARRAYREF_SLOW(sym_stride), kept.storage_offset());
+    }
     const auto found = s.decoders.find(std::string(plan));
     native = found != s.decoders.end();
     if (native) decoder = found->second;

@@ -146,6 +146,28 @@ def test_a_cnn_graph_keeps_bn_inputs_relu_outputs_and_masks_small():
     assert report.ratio > 10, report.summary()
 
 
+@pytest.mark.parametrize("first", ["conv", "norm"])
+def test_a_batchnorm_input_in_channels_last_memory_is_stored_in_groups_of_one_channel(first):
+    """A model run in channels-last memory: BatchNorm's input, a convolution's output (or
+    the batch itself, alive anyway), in channels-last strides. Compiled, it is stored at the
+    policy's bits in groups down one channel, as eager stores it, not kept whole; the batch
+    comes back with its own sizes and strides."""
+    layers = [nn.Conv2d(8, 16, 1), nn.BatchNorm2d(16)] if first == "conv" else [nn.BatchNorm2d(8), nn.Conv2d(8, 16, 1)]
+    model = seeded(lambda: nn.Sequential(*layers, nn.ReLU(), nn.Flatten(), nn.Linear(16 * 8 * 8, 10)))
+    model = model.to(memory_format=torch.channels_last)
+    run = torch.compile(model, backend="inductor")
+    x = (torch.randn(16, 8, 8, 8) * torch.linspace(0.1, 4, 8).view(1, 8, 1, 1)).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (16,))
+    exact = exact_grads(model, model, x, y)
+    eager, eager_grads = step(model, model, x, y, bits=8, min_numel=256)
+    compiled, compiled_grads = step(model, run, x, y, bits=8, min_numel=256)
+    assert rel_err(eager_grads, exact) < 1e-2 and rel_err(compiled_grads, exact) < 1e-2
+    assert rel_err(compiled_grads, eager_grads) < 1e-2
+    assert compiled.stored_bytes <= 1.15 * eager.stored_bytes, (compiled.summary(), eager.summary())
+    if first == "conv":
+        assert any(slot.op == "convolution" and slot.bits == 8 for slot in compiled.slots.values()), compiled.summary()
+
+
 def test_a_graph_break_splits_the_work_between_the_graphs_and_the_eager_path():
     class Broken(nn.Module):
         def __init__(self):

@@ -102,6 +102,9 @@ class Plan(NamedTuple):
     axis: int | None = None
     #: "cells": the constants backward compares the tensor with (:class:`ThresholdCells`).
     cells: tuple[float, ...] | None = None
+    #: "quant" with ``axis`` 0 (:attr:`Decision.channels_last`): packed as its memory order
+    #: viewed as a matrix of a channel's values by the channels.
+    channels_last: bool = False
 
     @property
     def along_axis(self) -> bool:
@@ -250,6 +253,14 @@ def _restore(flat: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> 
     return torch.empty_strided(size, stride, dtype=flat.dtype, device=flat.device).copy_(flat.view(size))
 
 
+def _as_saved(kept: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
+    """An input kept alive instead of packed, with the sizes and strides of the tensor saved:
+    a plan may pack a view of it (a channels-last tensor's memory order as a matrix)."""
+    if list(kept.shape) == list(size):
+        return kept
+    return kept.as_strided(size, stride, kept.storage_offset())
+
+
 # A tensor's cells, by the constants and dtype of its plan (checked once per process).
 _cells_of = functools.lru_cache(maxsize=None)(ThresholdCells.of)
 
@@ -380,7 +391,7 @@ def _unpack_saved(
     with torch._C.DisableTorchFunction():
         kept = _KEPT_INPUTS.get(parts[0]) if _KEPT_INPUTS else None  # no weak reference made per unpack
         if kept is not None:
-            return kept
+            return _as_saved(kept, size, stride)
         ops.ensure_kernels(parts[0].device)
         return _decode(parts, size, stride, dtype, _parse(plan))
 
@@ -547,6 +558,10 @@ def _pack(x: torch.Tensor, state: str) -> Any:
         stored = parsed.substitute().of(x)
         if stored.stride() != x.stride():
             stored = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(stored)
+    elif parsed.channels_last:
+        # Its memory order as a (values per channel, channels) matrix: a view, whose groups
+        # run down each channel; decoded in that order, restored with x's strides.
+        stored = x.movedim(1, -1).reshape(-1, x.shape[1])
     return (_PACKED, torch.ops.lightning_act.pack_saved(stored, plan), list(x.shape), list(x.stride()), x.dtype, plan)
 
 
@@ -1201,9 +1216,12 @@ class GraphPlan:
             return Plan("index", 0, 0, module, "", op, 1, index_range=decision.value_range), Outcome.LOSSLESS
         if decision.kind is Kind.CELLS:
             return Plan("cells", 0, 0, module, "", op, 1, cells=decision.cells.thresholds), Outcome.LOSSLESS
-        if decision.group_axis is not None and not isinstance(node.meta["val"].shape[decision.group_axis], int):
-            # Its groups divide that axis's size times the later ones: another batch size
-            # (``dynamic=True``) would move them across channels.
+        shape = node.meta["val"].shape
+        if decision.group_axis is not None and not all(
+                isinstance(size, int) for size in (shape if decision.channels_last else (shape[decision.group_axis],))):
+            # Its groups divide that axis's size times the later ones (in channels-last memory,
+            # every size but the channels'): another batch size (``dynamic=True``) would move
+            # them across channels.
             decision = Decision(Kind.KEEP)
         if decision.kind is not Kind.QUANTIZE:
             return None, Outcome.STATISTIC if decision.kind is Kind.STATISTIC else Outcome.KEPT
@@ -1227,7 +1245,7 @@ class GraphPlan:
                     and bool(candidate_axes(val, group_size)))
         survey = f"{slot} {tuple(val.shape)}" if surveyed else None
         return (Plan("quant", bits, group_size, module, slot, op, decision.min_bits, survey=survey,
-                     axis=decision.group_axis), Outcome.COMPRESSED)
+                     axis=decision.group_axis, channels_last=decision.channels_last), Outcome.COMPRESSED)
 
 
     def _rule_op(self, module: str, op: str | None, savers: set[str]) -> str | None:

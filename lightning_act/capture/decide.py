@@ -459,6 +459,10 @@ class Decision(NamedTuple):
     #: axis: the tensor read as matrices of its size by the product of the later sizes,
     #: column by column (eager lays such a tensor out in ``row_layout`` instead).
     group_axis: int | None = None
+    #: With ``group_axis`` 0: a BatchNorm input in channels-last memory, read in its memory
+    #: order as one matrix of a channel's values (rows) by the channels (columns), so that
+    #: each group holds values of one channel (eager copies it channel-major instead).
+    channels_last: bool = False
 
 
 def source_parameter(t: torch.Tensor) -> tuple[nn.Parameter | None, bool]:
@@ -1018,6 +1022,12 @@ def _graph_normalization(val: torch.Tensor, consumers: dict[str, tuple]) -> Norm
     return None
 
 
+def _in_channels_last_memory(val: torch.Tensor) -> bool:
+    """Whether ``val`` (at least 2-D) has dimension 1 innermost and the others dense outside
+    it: ``val.movedim(1, -1)`` is contiguous (a convolution's output in channels-last memory)."""
+    return int(val.shape[1]) > 1 and not val.is_contiguous() and val.movedim(1, -1).is_contiguous()
+
+
 def _overlaps(val: torch.Tensor) -> bool:
     """Whether two indices of ``val`` address one element (an expanded or unfolded view)."""
     extent = 1
@@ -1097,10 +1107,16 @@ def decide_saved_node(
     if normalized.channels:
         if val.dim() < 3:
             return decision
+        if _in_channels_last_memory(val):
+            channel = int(val.numel()) // int(val.shape[1])
+            row_group = min(channel & -channel, group_size)
+            if row_group < MIN_GROUP_SIZE:
+                return Decision(Kind.KEEP)
+            return decision._replace(row_group=row_group, group_axis=0, channels_last=True)
         # Groups within one sample's map of a channel, in memory order. A map too small for a
         # group of its own (2 x 2, 7 x 7, 14 x 14) is read channel-major instead, as eager lays
         # it out: down the batch axis of (batch, channels * map) matrices, where a channel's
-        # values of every sample follow each other. Channels-last memory is kept.
+        # values of every sample follow each other. Other memory orders are kept.
         plane = math.prod(int(s) for s in val.shape[2:]) if val.is_contiguous() else 0
         row_group, axis = min(plane & -plane, group_size), None
         if row_group < MIN_GROUP_SIZE and plane > 0 and val.shape[0] > 1:
