@@ -1004,22 +1004,42 @@ def site_of_call(t: torch.Tensor, call: TrackedCall | None, layout: Layout | Non
 # with the rows of their first argument: LayerNorm's last dimension, one GroupNorm group.
 _GRAPH_ROW_NORMALIZING_OPS = frozenset({"native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm"})
 _GRAPH_GROUP_NORMALIZING_OPS = frozenset({"native_group_norm", "group_norm"})
+_BATCH_NORM_BACKWARD_OPS = frozenset({"native_batch_norm_backward", "batch_norm_backward"})
 
 
-def _graph_normalization(val: torch.Tensor, consumers: dict[str, tuple]) -> Normalized | None:
-    """How a normalisation reading ``val`` in a compiled forward groups it: the last dimension
-    for LayerNorm and RMSNorm, one group's channels and map for GroupNorm, a channel for
-    BatchNorm."""
+def _graph_normalization(val: torch.Tensor, producer: str | None, consumers: dict[str, tuple]
+                         ) -> tuple[Normalized | None, bool]:
+    """How a normalisation reading ``val`` in a compiled forward groups it, and whether each
+    of its rows is a run of ``val``'s memory: the normalised shape for LayerNorm and RMSNorm,
+    one group's channels and map for GroupNorm, a channel for BatchNorm (strided: handled by
+    the caller). A BatchNorm's input centred or normalised in the forward for its backward
+    (a partition that saves it in the input's place) is read as the input is."""
     if consumers.keys() & _GRAPH_ROW_NORMALIZING_OPS and val.dim() >= 1:
-        return Normalized(int(val.shape[-1]))
+        return _rows_normalized(val, consumers)
     for name in consumers.keys() & _GRAPH_GROUP_NORMALIZING_OPS:
         arguments = consumers[name]
         groups = arguments[6] if len(arguments) > 6 else None  # native_group_norm's group
         if isinstance(groups, int) and val.dim() >= 2 and groups >= 1 and int(val.shape[1]) % groups == 0:
-            return Normalized(int(val.shape[1]) // groups * math.prod(int(s) for s in val.shape[2:]))
-    if consumers.keys() & BATCH_NORM_OPS and val.dim() >= 2:
-        return Normalized(int(val.numel()) // max(int(val.shape[1]), 1), channels=True)
-    return None
+            return Normalized(int(val.shape[1]) // groups * math.prod(int(s) for s in val.shape[2:])), True
+    if (consumers.keys() & BATCH_NORM_OPS or producer in _BATCH_NORM_BACKWARD_OPS) and val.dim() >= 2:
+        return Normalized(int(val.numel()) // max(int(val.shape[1]), 1), channels=True), True
+    return None, True
+
+
+def _rows_normalized(val: torch.Tensor, consumers: dict[str, tuple]) -> tuple[Normalized, bool]:
+    """The rows a LayerNorm or RMSNorm reading ``val`` normalises: the last dimension of the
+    view of ``val`` it reads, which may differ from ``val``'s (a convolution's output
+    transposed to tokens: rows of its channels, strided in ``val``'s memory). The graph's
+    normalisation is decomposed; its ops that read ``val`` are named by it, and the view is
+    the argument as large as ``val``. Where sizes are symbolic, ``val``'s last dimension."""
+    for name in consumers.keys() & _GRAPH_ROW_NORMALIZING_OPS:
+        for argument in consumers[name]:
+            read = getattr(argument, "meta", {}).get("val")
+            if (isinstance(read, torch.Tensor) and read.dim() >= 1
+                    and all(type(s) is int for s in (*read.shape, *read.stride()))
+                    and read.numel() == val.numel()):
+                return Normalized(read.shape[-1]), read.shape[-1] == 1 or read.stride()[-1] == 1
+    return Normalized(int(val.shape[-1])), True
 
 
 def _in_channels_last_memory(val: torch.Tensor) -> bool:
@@ -1077,7 +1097,7 @@ def decide_saved_node(
     """
     if not isinstance(val, torch.Tensor) or val.layout != torch.strided or val.is_nested:
         return Decision(Kind.KEEP)
-    normalized = _graph_normalization(val, consumers) if val.dtype in FLOAT_DTYPES else None
+    normalized, runs = _graph_normalization(val, producer, consumers) if val.dtype in FLOAT_DTYPES else (None, True)
     site = SaveSite(
         val.dtype, int(val.numel()), not _overlaps(val), val.is_contiguous(), read,
         zero_exact=producer in _ZERO_EXACT_OPS,
@@ -1122,6 +1142,10 @@ def decide_saved_node(
         if row_group < MIN_GROUP_SIZE and plane > 0 and val.shape[0] > 1:
             channel = int(val.shape[0]) * plane
             row_group, axis = min(channel & -channel, group_size), 0
+    elif not runs:
+        # Rows strided in memory: groups in memory order at the rows' floor, as eager stores
+        # a LayerNorm's input transposed from a convolution's output.
+        return decision
     else:
         # Groups within rows: the largest power of two dividing a row, up to group_size.
         row_group, axis = min(normalized.row & -normalized.row, group_size), None
