@@ -146,7 +146,7 @@ def test_a_cnn_graph_keeps_bn_inputs_relu_outputs_and_masks_small():
     assert report.ratio > 10, report.summary()
 
 
-@pytest.mark.parametrize("first", ["conv", "norm"])
+@pytest.mark.parametrize("first", [pytest.param("conv", marks=pytest.mark.slow), "norm"])  # 8.6 s, 1.4 s
 def test_a_batchnorm_input_in_channels_last_memory_is_stored_in_groups_of_one_channel(first):
     """A model run in channels-last memory: BatchNorm's input, a convolution's output (or
     the batch itself, alive anyway), in channels-last strides. Compiled, it is stored at the
@@ -194,6 +194,7 @@ def test_a_layernorm_over_a_convolutions_channels_is_stored_as_eager_stores_it()
     assert any(slot.op == "convolution" and slot.bits == 8 for slot in compiled.slots.values()), compiled.summary()
 
 
+@pytest.mark.slow  # 3.9 s
 def test_a_batchnorm_input_the_partition_centres_in_the_forward_is_stored_as_the_input():
     """ConvMixer's block (depthwise convolution, GELU, BatchNorm, a residual sum): the
     partition saves, in the BatchNorm input's place, a tensor the forward computes for the
