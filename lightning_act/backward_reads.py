@@ -259,6 +259,18 @@ _PRODUCT_ADD = frozenset({"fma"})
 # Comparisons: a REGION read against a Python constant; with another tensor, an EXACT one.
 _COMPARISONS = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "maximum", "minimum", "fmax", "fmin"})
 _ORDER_WITH_CONSTANT = frozenset({"sign", "sgn", "signbit", "heaviside"})
+# Ops whose result holds some of their first argument's values, unchanged: a constant a
+# result of theirs is compared with is the same constant on the argument.
+_SAME_VALUES = frozenset(
+    {"alias", "view", "_unsafe_view", "reshape", "_reshape_alias", "permute", "transpose", "t", "expand",
+     "squeeze", "unsqueeze", "slice", "select", "clone", "contiguous", "flip", "roll", "repeat", "narrow",
+     "unfold", "diagonal", "as_strided", "detach", "lift_fresh_copy", "index_select", "gather", "index",
+     "_unsafe_index", "movedim", "expand_copy", "view_copy", "permute_copy", "squeeze_copy", "unsqueeze_copy",
+     "t_copy", "transpose_copy", "alias_copy", "slice_copy", "select_copy", "_to_copy", "convert_element_type",
+     "clone_preserve_strides"}
+)
+#: A comparison's outcome that does not depend on the compared values (``relu(x) < -1``).
+_CONSTANT_OUTCOME = object()
 # Ops whose results jump with their argument, so that a rounded argument changes them by a
 # whole step: read exactly.
 _DISCONTINUOUS = frozenset({"floor", "ceil", "round", "trunc", "fix", "floor_divide", "remainder", "fmod", "frac"})
@@ -349,6 +361,8 @@ class _Walk:
         self.worst = Use.NONE
         self.reason: str | None = None
         self.thresholds: set[float] = set()
+        #: A threshold is the kink of a ReLU backward recomputes from the target.
+        self.kinked = False
         self.compared = False
         for node in self.reached:
             degree = self._step(node)
@@ -508,7 +522,7 @@ class _Walk:
             self._record(Use.SMOOTH, node)
             return max(degrees)
         if name in _ORDER_WITH_CONSTANT:
-            self.thresholds.add(0.0)
+            self._compare(node, arguments[0][1], 0.0)
             return 0
         if name in _DISCONTINUOUS:
             self._record(Use.EXACT, node)
@@ -561,15 +575,59 @@ class _Walk:
         if name in _COMPARISONS and len(arguments) >= 2:
             other = arguments[1][1]
             if isinstance(other, (int, float)) and not isinstance(other, bool):
-                self.thresholds.add(float(other))
+                self._compare(node, arguments[0][1], float(other))
                 return 0
             self._record(Use.EXACT, node)  # compared with another value: x == amax(x)
             return 0
         if name in _ORDER_WITH_CONSTANT:
-            self.thresholds.add(0.0)
+            self._compare(node, arguments[0][1], 0.0)
             return 0
         self._record(Use.EXACT, node)  # cast to an integer, an argmax, a sort's indices
         return 0
+
+    def _compare(self, node: fx.Node, compared: Any, constant: float) -> None:
+        """``compared``, computed from the target, compared with ``constant``: a threshold on
+        the target's own values where one is the same comparison (views of it, ``x * 2 > 1``
+        as ``x > 0.5``, ``relu(x) <= 0`` as ``x <= 0``); else read exactly, as no cells of its
+        values keep the outcomes (recorded as on ``x`` itself, ``x * 2 > 1`` kept ``x``'s
+        side of 1, not of 0.5, and ``relu(x) <= 0`` recomputed from a rounded ``x`` switched
+        a gradient off wherever rounding moved a value across 0: a compiled graph network's
+        8-bit gradient error 0.019 from that one tensor)."""
+        threshold = self._threshold_on_target(compared, constant)
+        if threshold is None:
+            self._record(Use.EXACT, node, f"compared after {_name(compared.target)}")
+        elif threshold is not _CONSTANT_OUTCOME:
+            self.thresholds.add(threshold)
+            if compared is not self.target and _name(compared.target) in ("relu", "clamp_min"):
+                self.kinked = True
+
+    def _threshold_on_target(self, value: Any, constant: float) -> Any:
+        """The constant that comparing the target with decides what comparing ``value`` with
+        ``constant`` does; ``_CONSTANT_OUTCOME`` where no value decides it; None where no one
+        constant does."""
+        while value is not self.target:
+            if not isinstance(value, fx.Node) or not isinstance(value.target, torch._ops.OpOverload):
+                return None
+            name, args = _name(value.target), value.args
+            other = args[1] if len(args) > 1 else None
+            number = isinstance(other, (int, float)) and not isinstance(other, bool)
+            if name in _SAME_VALUES:
+                pass
+            elif name == "neg":
+                constant = -constant
+            elif name in ("add", "sub") and number and value.kwargs.get("alpha", 1) == 1:
+                constant = constant - other if name == "add" else constant + other
+            elif name == "mul" and number and other != 0:
+                constant = constant / other
+            elif name == "div" and number and other != 0 and not value.kwargs.get("rounding_mode"):
+                constant = constant * other
+            elif name == "relu" or (name == "clamp_min" and number):
+                if constant < (0.0 if name == "relu" else other):
+                    return _CONSTANT_OUTCOME  # every value of the result is at least its floor
+            else:
+                return None
+            value = args[0]
+        return constant
 
     def _step_power(self, node: fx.Node, name: str, degrees: list[int]) -> int:
         if name == "square":
@@ -606,7 +664,12 @@ class _Walk:
         elif degree == 1:
             use = max(use, Use.LINEAR)
         value_use = None
-        if self.thresholds and use >= Use.LINEAR:
+        if self.kinked and use >= Use.SMOOTH:
+            # Compared at the kink of a ReLU recomputed from it, and read through it: the
+            # outcome switches a gradient on or off, and no codec keeps it while rounding
+            # the values (a zero-preserving one does for a ReLU's output alone).
+            use, self.reason = Use.SINGULAR, "compared at the kink of a ReLU recomputed from it"
+        elif self.thresholds and use >= Use.LINEAR:
             # Compared and read for its value: rounding across a threshold switches the value read.
             if Use.SMOOTH > use:
                 use, value_use, self.reason = Use.SMOOTH, use, "comparison"

@@ -4,6 +4,7 @@ the same results through the Lightning callback."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import subprocess
@@ -19,7 +20,7 @@ from torch._dynamo.utils import counters
 from lightning_act import ActCompression, ActivationCapture, CompressionConfig, compress_activations
 from lightning_act.backward_reads import Use, graph_reads
 from lightning_act.capture.compiled import Plan
-from lightning_act.policy import FixedBits
+from lightning_act.policy import EXACT, BitPolicy, FixedBits
 from tests.test_reliability import MLP, act_of, rel_err, seeded, trainer
 
 
@@ -88,12 +89,17 @@ def test_a_compiled_graph_is_compressed_as_eager_decides(backend):
     assert set(compiled.slots) == set(eager.slots)
     assert rel_err(grads, exact) < 1e-2
     assert compiled.ratio > 3.5
-    capture = ActivationCapture(CompressionConfig(bits=8), model, FixedBits(8, {"3": "exact"}))
-    with capture.capturing(inputs=x):
-        loss = F.cross_entropy(compiled_run(x), y)
-    loss.backward()
-    assert capture.report.counts["exact"] == 1  # the GELU's input
-    assert capture.report.modules["3"].bits_label() == "-"
+    reports = []
+    for run in (model, compiled_run):
+        capture = ActivationCapture(CompressionConfig(bits=8), model, FixedBits(8, {"3": "exact"}))
+        with capture.capturing(inputs=x):
+            loss = F.cross_entropy(run(x), y)
+        loss.backward()
+        reports.append(capture.report)
+    for report in reports:  # the GELU's input, a slot kept exact, listed as eager lists it
+        assert report.counts["exact"] == 1
+        assert report.modules["3"].bits_label() == "exact"
+        assert report.slots["3#0"].bits is None and report.slots["3#0"].codec == "stored"
 
 
 @pytest.mark.slow  # 2 s
@@ -300,6 +306,43 @@ def test_the_backward_gets_each_saved_tensor_with_its_recorded_strides(make):
         loss.backward()
         assert torch.isfinite(grads_of(model)).all()
     assert rel_err(grads_of(model), exact) < 2e-2
+
+
+def _read_of_a_comparison(compared, constant: float = 1.0, read_value: bool = False):
+    """How a hand-made backward reads ``x``, which it compares, as ``compared(graph, x)``,
+    with ``constant``, to mask the incoming gradient (and, ``read_value``, reads as well)."""
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x, gradient = graph.placeholder("x"), graph.placeholder("tangents_1")
+    x.meta["val"], gradient.meta["val"] = torch.randn(16, 8), torch.randn(16, 8)
+    value = compared(graph, x)
+    mask = graph.call_function(aten.gt.Scalar, (value, constant))
+    zero = graph.call_function(aten.full.default, ([], 0.0), {"dtype": torch.float32})
+    masked = graph.call_function(aten.where.self, (mask, gradient, zero))
+    if read_value:
+        masked = graph.call_function(aten.mul.Tensor, (masked, value))
+    graph.output((masked,))
+    return graph_reads(graph)["x"]
+
+
+def test_a_constant_compared_with_a_value_computed_from_a_save_is_moved_onto_the_saves_values():
+    """Cells keep comparisons with constants on the save's own values: ``x * 2 > 1`` is
+    ``x > 0.5`` (recorded as ``x > 1``, cells would have kept the wrong side), a comparison
+    of what no constant on ``x`` decides is exact, and the kink of a ReLU backward
+    recomputes is exact where the value is read through it too."""
+    aten = torch.ops.aten
+
+    def op(target, *args):
+        return lambda graph, x: graph.call_function(target, (x, *args))
+
+    assert _read_of_a_comparison(op(aten.mul.Tensor, 2.0)).thresholds == (0.5,)
+    assert _read_of_a_comparison(op(aten.sub.Tensor, 1.0), constant=0.5).thresholds == (1.5,)
+    assert _read_of_a_comparison(op(aten.flip.default, [0])).thresholds == (1.0,)  # its values, reordered
+    assert _read_of_a_comparison(op(aten.exp.default)).use is Use.EXACT
+    always = _read_of_a_comparison(op(aten.relu.default), constant=-1.0)  # relu(x) > -1: no threshold
+    assert always.thresholds == () and always.use is Use.SMOOTH
+    kink = _read_of_a_comparison(op(aten.relu.default), constant=0.0, read_value=True)
+    assert kink.use is Use.SINGULAR and "kink" in kink.reason
 
 
 def test_the_graph_analysis_reads_backward_kernels_decomposed():
@@ -580,6 +623,37 @@ def test_the_adaptive_allocation_reaches_a_compiled_graph_with_one_recompile():
     assert set(stored) <= set(callback.policy.assignment)
     assert counters["stats"]["unique_graphs"] == 2  # before and after the allocation
 
+
+class _EveryOther(BitPolicy):
+    """A policy of the user's own: 2 bits for the modules at even or at odd positions."""
+
+    def __init__(self, even: bool):
+        super().__init__()
+        self.even = even
+
+    def choose(self, slot: str) -> int | None:
+        return 2 if (int(slot.split("#")[0]) % 2 == 0) == self.even else EXACT
+
+
+@pytest.mark.slow  # 3.7 s
+def test_two_instances_of_a_users_policy_class_each_get_graphs_planned_by_their_own_choices():
+    """A policy the library does not know chooses by code it cannot read: a graph planned
+    under one instance is not reused under another of the same class, which chose
+    otherwise (the second ran the first one's graph, its bits and all). The slots are named
+    by the model's modules, as eager names them, in a model compiled in place."""
+    model = seeded(small_sequential)
+    model.compile(backend="aot_eager")
+    x = torch.randn(64, 64)
+    stored = []
+    for even in (True, False):
+        capture = ActivationCapture(CompressionConfig(), model, _EveryOther(even))
+        with capture.capturing(inputs=x):
+            loss = model(x).sum()
+        loss.backward()
+        stored.append({slot: memory.bits for slot, memory in capture.report.slots.items()})
+    assert stored[0].keys() == stored[1].keys() == {"1#0", "3#0", "4#0"}
+    for slot in stored[0]:
+        assert stored[0][slot] != stored[1][slot], slot  # each instance's own bits, opposite
 
 def test_pack_is_kept_out_of_cuda_graphs():
     """A replayed CUDA graph runs no Python: the seed would repeat (the same noise every step)
@@ -1081,6 +1155,41 @@ class MaxAggregation(nn.Module):
         pooled = messages.new_zeros(300, 32).scatter_reduce(
             0, self.target[:, None].expand(-1, 32), messages, "amax", include_self=False)
         return self.head(pooled * pooled)
+
+
+class _Messages(nn.Module):
+    """A graph layer's messages: each edge's source features, through a ReLU, summed per node."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = nn.Linear(32, 64), nn.Linear(64, 8)
+
+    def forward(self, x, src, dst):
+        h = self.lin(x)
+        return self.out(torch.zeros_like(h).index_add(0, dst, h[src].relu() + 1e-7))
+
+
+@pytest.mark.slow  # 15 s
+def test_a_relu_of_gathered_features_a_compiled_backward_recomputes_keeps_its_mask():
+    """Inductor saves the features (fewer than the edges' messages) and recomputes the ReLU
+    and its mask in backward. Rounded, values near 0 crossed it and switched their edges'
+    gradients off: 8 bits gave 6 times eager's error (a PyG GENConv network: 11 times)."""
+    model = seeded(_Messages)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 32, generator=generator)
+    src, dst = (torch.randint(0, 512, (4096,), generator=generator) for _ in range(2))
+
+    def gradient(run, capture=None):
+        model.zero_grad()
+        with capture.capturing(inputs=(x, src, dst)) if capture else contextlib.nullcontext():
+            loss = run(x, src, dst).pow(2).sum()
+        loss.backward()
+        return grads_of(model)
+
+    exact = gradient(model)
+    errors = [rel_err(gradient(run, ActivationCapture(CompressionConfig(bits=8), model)), exact)
+              for run in (model, torch.compile(model, backend="inductor"))]
+    assert errors[1] < 2 * errors[0] + 1e-4, errors
 
 
 def test_a_compiled_max_aggregation_saves_its_equality_outcomes_and_stores_no_more_than_eager():

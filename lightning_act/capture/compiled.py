@@ -84,9 +84,11 @@ class Plan(NamedTuple):
     slot: str
     op: str | None
     min_bits: int
-    #: ``(module, bytes, outcome)`` of the graph's saves kept as they are: counted in the
-    #: report when this plan's tensor is packed (the graph's first packed save carries them).
-    kept: tuple[tuple[str, int, str], ...] = ()
+    #: ``(module, bytes, outcome, slot)`` of the graph's saves kept as they are: counted in
+    #: the report when this plan's tensor is packed (the graph's first packed save carries
+    #: them). ``slot``: ``(name, shape, op)`` of a slot the policy or a rule keeps exact,
+    #: listed among the report's slots as eager lists it; None for any other.
+    kept: tuple[tuple[str, int, str, tuple | None], ...] = ()
     #: "derivative": :attr:`PointwiseDerivative.source`, what rebuilds it in any process.
     derivative: tuple[str, str] | None = None
     #: "quant": the key under which the capture surveys and chooses the axis its groups run
@@ -172,8 +174,12 @@ class PackedSave(NamedTuple):
     def _carried(plan: Plan) -> ReportDelta:
         """The graph's saves kept as they are that ``plan`` carries into the report."""
         delta = ReportDelta()
-        for module, nbytes, outcome in plan.kept:
-            delta.note(module, Outcome(outcome), None, nbytes, nbytes)
+        for module, nbytes, outcome, slot in plan.kept:
+            memory = delta.note(module, Outcome(outcome), None if slot is None else slot[2], nbytes, nbytes)
+            if slot is not None:
+                name, shape, op = slot
+                memory.bits.add(None)
+                delta.slots[name] = SlotMemory(module, shape, None, nbytes, nbytes, "stored", op)
         return delta
 
 
@@ -1131,7 +1137,8 @@ def module_qualname(stack: dict | None) -> str | None:
     if not stack:
         return None
     qualname = str(list(stack.values())[-1][0])
-    qualname = re.sub(r"^L\[['\"]\w+['\"]\]", "", qualname)
+    # ``L['self']``, or for a module compiled in place ``L['fn'].__self__`` (its bound call).
+    qualname = re.sub(r"^L\[['\"]\w+['\"]\](\.__self__)?", "", qualname)
     qualname = _QUALNAME_ACCESS.sub(lambda m: "." + next(g for g in m.groups() if g is not None), qualname)
     parts = [p for p in qualname.split(".") if p and p != "_orig_mod"]
     return ".".join(parts) if parts else ""
@@ -1178,15 +1185,18 @@ class GraphPlan:
                 self._modules[node.name] = module_qualname(min(readers)[2] if readers else None)
                 self._savers[node.name] = set().union(*(forward_ops[r[0]] for r in readers if r[0] in forward_ops))
         self._per_module: dict[str, int] = {}
+        #: ``(slot, shape, op)`` of each node whose slot the policy or a rule keeps exact.
+        self._exact_slots: dict[str, tuple[str, tuple[int, ...], str | None]] = {}
         outputs = forward.output_node().args[0]
         saved = [n for n in outputs if isinstance(n, fx.Node) and n.name in self._reads and n.op != "placeholder"]
         plans: dict[str, Plan | None] = {}
-        kept: list[tuple[str, int, str]] = []
+        kept: list[tuple[str, int, str, tuple | None]] = []
         for node in saved:
             plans[node.name], outcome = self._plan(node)
             val = node.meta.get("val")
             if plans[node.name] is None and isinstance(val, torch.Tensor):
-                kept.append((self._module(node), _hint(val.numel()) * val.element_size(), outcome.value))
+                kept.append((self._module(node), _hint(val.numel()) * val.element_size(), outcome.value,
+                             self._exact_slots.get(node.name)))
         first = next((name for name, plan in plans.items() if plan is not None), None)
         if first is not None:
             plans[first] = plans[first]._replace(kept=tuple(kept))
@@ -1234,8 +1244,9 @@ class GraphPlan:
                         element_bits=val.element_size() * 8, op=op, min_bits=decision.min_bits)
         capture.slots[slot] = info
         bits = capture.policy.bits_for(slot, info)
-        if bits is None:
-            return None, Outcome.EXACT  # a rule or the policy says so
+        if bits is None:  # a rule or the policy says so
+            self._exact_slots[node.name] = (slot, info.shape, op)
+            return None, Outcome.EXACT
         if decision.substitute is not None:
             return Plan("derivative", bits, group_size, module, slot, op, decision.min_bits,
                         derivative=decision.substitute.source), Outcome.COMPRESSED

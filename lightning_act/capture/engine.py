@@ -350,15 +350,14 @@ class ActivationCapture:
     def _settings_state(self) -> str:
         """Everything a compiled graph's plans depend on, as one name (see :class:`GraphHooks`)."""
         policy = self.policy
-        choices = getattr(policy, "assignment", None) or getattr(policy, "bits", None)
-        key = (id(policy), id(choices))  # an allocation is replaced, never changed in place
+        # An allocation is replaced, never changed in place: the name is made again only then.
+        key = (id(policy), id(getattr(policy, "assignment", None)))
         if self._state[0] != key:
             # Not the seed: the graphs draw their noise from a stream seeded at run time, so
             # a capture per step with a seed of its own must not compile new graphs.
             planned = dataclasses.replace(self.config, seed=0)
             described = repr((_VERSION, _PLANNING_CODE, planned, type(policy).__name__, policy.rules.rules,
-                              sorted(choices.items()) if isinstance(choices, dict) else choices,
-                              getattr(policy, "default_bits", None)))
+                              policy.choices_state()))
             self._state = (key, f"lightning_act-{hashlib.sha256(described.encode()).hexdigest()[:24]}")
         return self._state[1]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import itertools
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
@@ -167,8 +168,19 @@ class SaveRules:
 class BitPolicy(ABC):
     """Base class: rules first, then the policy's own choice."""
 
+    _instances = itertools.count()
+
     def __init__(self, rules: Mapping[str, int | str] | None = None):
         self.rules = SaveRules(rules)
+        self._instance = next(BitPolicy._instances)
+
+    def choices_state(self) -> object:
+        """What the policy's choices depend on, besides its rules: compiled graphs planned
+        under one state are reused under an equal one. A policy this library does not know
+        chooses by code it cannot read, so only the same instance is the same state (two
+        instances of one subclass with different choices ran each other's graphs); a policy
+        that changes its choices in place must return what changed."""
+        return "instance", type(self).__qualname__, getattr(self, "_instance", id(self))
 
     def bits_for(self, slot: str, info: SlotInfo) -> int | None:
         rule = self.rules.lookup(info.module, info.op)
@@ -192,6 +204,9 @@ class FixedBits(BitPolicy):
         self.bits = parse_bits(bits, "bits")
 
     def choose(self, slot: str) -> int | None:
+        return self.bits
+
+    def choices_state(self) -> object:
         return self.bits
 
 
@@ -219,6 +234,9 @@ class AllocatedBits(BitPolicy):
 
     def choose(self, slot: str) -> int | None:
         return self.assignment.get(slot, self.default_bits)
+
+    def choices_state(self) -> object:
+        return sorted(self.assignment.items()), self.default_bits
 
     def update(
         self, variance: Mapping[str, Mapping[int, float]], slots: Mapping[str, SlotInfo]
