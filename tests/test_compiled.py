@@ -102,6 +102,26 @@ def test_a_compiled_graph_is_compressed_as_eager_decides(backend):
         assert report.slots["3#0"].bits is None and report.slots["3#0"].codec == "stored"
 
 
+@pytest.mark.slow  # 2.5 s
+def test_a_graph_whose_every_save_is_kept_exact_reports_them_as_eager_does():
+    """With nothing packed, one kept save carries the graph's kept saves into the report
+    (its first packed save does otherwise): the report counted nothing at all before."""
+    model = seeded(small_sequential)
+    x = torch.randn(64, 64)
+    reports = []
+    for run in (model, torch.compile(model, backend="aot_eager")):
+        capture = ActivationCapture(CompressionConfig(), model, FixedBits(2, {"*": "exact"}))
+        with capture.capturing(inputs=x):
+            loss = run(x).sum()
+        loss.backward()
+        reports.append(capture.report)
+    eager, compiled = reports
+    assert compiled.counts.get("exact") == eager.counts.get("exact") == 3
+    assert compiled.stored_bytes == eager.stored_bytes > 0
+    assert set(compiled.slots) == set(eager.slots)
+    assert all(slot.bits is None and slot.codec == "stored" for slot in compiled.slots.values())
+
+
 @pytest.mark.slow  # 2 s
 def test_two_steps_store_different_noise_without_recompiling():
     """The seed is not a graph constant: each step rounds with fresh noise, so at 2 bits the

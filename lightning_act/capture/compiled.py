@@ -76,7 +76,9 @@ class Plan(NamedTuple):
     """How one saved node of a compiled graph is stored (baked into the graph as a string)."""
 
     # "quant", "derivative" (a pointwise op's input: the graph packs its derivative), "mask",
-    # "index" (integers in fewer bits, exact) or "cells" (the cells between constants, exact)
+    # "index" (integers in fewer bits, exact), "cells" (the cells between constants, exact)
+    # or "kept" (kept as it is, packed into nothing: it carries :attr:`kept` into the report
+    # for a graph that packs no other save)
     form: str
     bits: int
     group_size: int
@@ -156,6 +158,8 @@ class PackedSave(NamedTuple):
         kept_alive = cls._carried(plan)
         kept_alive.counts[Outcome.EXTERNAL.value] = 1
         delta = cls._carried(plan)
+        if plan.form == "kept":
+            return cls(plan, delta, kept_alive, None)
         saved = t.numel() * t.element_size()
         stored = sum(p.untyped_storage().nbytes() for p in parts)
         if plan.form in _LOSSLESS_FORMS:
@@ -280,6 +284,8 @@ def _encode(x: torch.Tensor, plan: Plan, seed: int, axis: int | None = None) -> 
         x = x.detach()
     if plan.form == "mask":
         return [pack_bit_fields(_flat(x).view(torch.uint8), 1, planar=True)]
+    if plan.form == "kept":
+        return [x.new_empty(0)]
     if plan.form == "index":
         return [IndexCodec().pack(_flat(x), 0, 0, value_range=plan.index_range).codes]
     if plan.form == "cells":
@@ -343,7 +349,7 @@ def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
         parsed = _parse(plan)
         ops.ensure_kernels(input.device)
         capture = capturing_now()
-        if capture is not None and capture.keeps_alive(input):
+        if capture is not None and parsed.form != "kept" and capture.keeps_alive(input):
             parts = [torch.empty_like(p, device=input.device) if p.is_meta else p
                      for p in _encode(input.detach().to("meta"), parsed, 0)]
             _KEPT_INPUTS[parts[0]] = input.detach()
@@ -558,6 +564,8 @@ def _pack(x: torch.Tensor, state: str) -> Any:
     if plan is None:
         return (_KEPT, x)
     stored, parsed = x, _parse(plan)
+    if parsed.form == "kept":  # kept as it is; the op counts what the graph keeps
+        return (_KEPT, x, torch.ops.lightning_act.pack_saved(x, plan))
     if parsed.form == "derivative":
         # Computed by the graph's own ops (traced here, fused by the compiler), in x's
         # layout: the values are stored in x's memory order, and restored in it.
@@ -1200,6 +1208,11 @@ class GraphPlan:
         first = next((name for name, plan in plans.items() if plan is not None), None)
         if first is not None:
             plans[first] = plans[first]._replace(kept=tuple(kept))
+        elif kept:
+            # Nothing packed: a kept save carries the others, or the report would miss them all
+            # (a graph whose every save a rule or the policy keeps exact counted nothing).
+            carrier = next(node for node in saved if isinstance(node.meta.get("val"), torch.Tensor))
+            plans[carrier.name] = Plan("kept", 0, 0, self._module(carrier), "", None, 1, kept=tuple(kept))
         self._encoded = {name: _encode_plan(plan) for name, plan in plans.items()}
 
     def get(self, node: fx.Node) -> str | None:
