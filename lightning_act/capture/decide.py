@@ -470,7 +470,7 @@ def source_parameter(t: torch.Tensor) -> tuple[nn.Parameter | None, bool]:
     base = t._base
     if base is None:
         base = t
-    if _is_parameter(base):
+    if type(base) is not torch.Tensor and _is_parameter(base):  # a plain tensor told at once: most saves
         return base, False
     node = base.grad_fn
     if node is None:
@@ -655,7 +655,8 @@ def _argument_key(value, same: dict[int, int]):
         node = t.grad_fn
         # A tensor no view or cast made, and no parameter, is none in disguise: told without
         # the look at its history (most arguments of most calls).
-        if t._base is None and not _is_parameter(t) and (node is None or node.name() not in _VIEW_OR_CAST_NODES):
+        if (t._base is None and (type(t) is torch.Tensor or not _is_parameter(t))
+                and (node is None or node.name() not in _VIEW_OR_CAST_NODES)):
             disguised = False
         else:
             disguised = source_parameter(t)[0] is not None
@@ -890,6 +891,12 @@ def _exact(site: SaveSite) -> Decision:
 
 
 # ------------------------------------------------------------------------------ eager calls
+# The decisions that depend on nothing but their kind, made once: a NamedTuple of this many
+# fields takes microseconds to build, and every parameter is saved at every step.
+_KEEP, _PARAMETER, _CAST_PARAMETER, _EXTERNAL = (
+    Decision(kind) for kind in (Kind.KEEP, Kind.PARAMETER, Kind.CAST_PARAMETER, Kind.EXTERNAL))
+
+
 def decide(
     t: torch.Tensor, call: TrackedCall | None, *, external: bool, min_numel: int, group_size: int = 256,
     unseen: bool = False, decided: dict | None = None,
@@ -911,18 +918,18 @@ def decide(
             read here, so that a step that repeats its calls repeats no decision work.
     """
     if t.layout != torch.strided or t.is_nested:
-        return Decision(Kind.KEEP)  # sparse, nested: no codec takes them
+        return _KEEP  # sparse, nested: no codec takes them
     floating = t.is_floating_point()
     if floating or t.is_complex():  # a complex parameter's view (a spectral layer's weights) too
         param, recastable = source_parameter(t)
         if param is not None:
             if recastable:
                 return Decision(Kind.RECAST_WEIGHT, parameter=param)
-            return Decision(Kind.PARAMETER if param.dtype == t.dtype else Kind.CAST_PARAMETER)
+            return _PARAMETER if param.dtype == t.dtype else _CAST_PARAMETER
     if external:
-        return Decision(Kind.EXTERNAL)
+        return _EXTERNAL
     if unseen and floating:
-        return Decision(Kind.KEEP)
+        return _KEEP
     if decided is None:
         return _decide_from_call(t, call, min_numel, group_size)
     key = call_key(call)

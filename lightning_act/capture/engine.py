@@ -30,7 +30,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch._functorch.config as functorch_config
@@ -81,6 +81,7 @@ from lightning_act.codecs import (
     GroupQuantCodec,
     IndexCodec,
     MaskCodec,
+    PoolCodec,
     QuantizedTensor,
     SignMaskCodec,
     StoredTensor,
@@ -198,6 +199,10 @@ class ActivationCapture:
         self._tracker = OpTracker()
         # Decisions of earlier saves, which later steps' saves of the same calls find again.
         self._decided: dict[tuple, Decision] = {}
+        # What each decision means in a module for an op, by (module, op, id(decision)).
+        self._terms: dict[tuple[str, str | None, int], _Terms] = {}
+        # Per slot, what its saves repeat from step to step.
+        self._slot_plans: dict[str, _SlotPlan] = {}
         self.policy = policy or FixedBits(self.config.bits)
         self.model = model
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
@@ -608,7 +613,7 @@ class ActivationCapture:
     @staticmethod
     def _live(table: dict[int, StorageWeakRef], ptr: int) -> bool:
         ref = table.get(ptr)
-        return ref is not None and not ref.expired()
+        return ref is not None and not _storage_expired(ref.cdata)
 
     def _account(self, module: str, t: torch.Tensor, outcome: Outcome, stored: int, copied: bool = False
                  ) -> ModuleMemory:
@@ -744,7 +749,7 @@ class ActivationCapture:
     def _shared_copy(self, key: tuple, t: torch.Tensor, module: str, op: str | None, decision: Decision) -> Any:
         """What autograd may hold for ``t`` from an earlier save's copy, or None."""
         cached = self._dedup.get(key)
-        if cached is None or cached.storage.expired():
+        if cached is None or _storage_expired(cached.storage.cdata):
             return None
         if decision.row_group is not None and cached.rows not in (None, (decision.row_group, decision.row_layout)):
             # A normalisation's input needs groups within the rows it normalises: a copy
@@ -752,7 +757,7 @@ class ActivationCapture:
             # its input) would put a loud row's rounding noise into a near-constant row,
             # whose 1 / std multiplies it. Stored again, in its own rows.
             return None
-        needed = self._bits_needed(module, op, decision)
+        needed = self._terms_of(module, op, decision).needed
         if cached.view == (t.shape, t.stride()):
             # A copy with fewer bits than this save needs (RMSNorm's input, which pow saved
             # at the quantizer's bits before mul saved it) is stored again at this save's
@@ -782,8 +787,8 @@ class ActivationCapture:
         # method chosen for every save alike.
         if decision.kind is not Kind.QUANTIZE:
             view_guaranteed = run_guaranteed = math.inf
-        elif self._codec_for(module, op, decision).unbiased:
-            view_guaranteed = run_guaranteed = self._bits_needed(module, op, decision)
+        elif (terms := self._terms_of(module, op, decision)).codec.unbiased:
+            view_guaranteed = run_guaranteed = terms.needed
         else:  # a pooled copy has lost detail other ops may need: it guarantees them nothing
             view_guaranteed, run_guaranteed = math.inf, 0.0
         run_record = None
@@ -816,7 +821,7 @@ class ActivationCapture:
         another view decodes from the earlier record, nor a substitute stored for its op
         alone."""
         old, new = earlier.saved, later.saved
-        if (earlier.storage.expired() or earlier.viewed or earlier.view != later.view
+        if (_storage_expired(earlier.storage.cdata) or earlier.viewed or earlier.view != later.view
                 or not isinstance(old, Compressed) or old.slot is None or old.substitute is not None
                 or later.view_guaranteed < earlier.view_guaranteed):
             return
@@ -838,6 +843,20 @@ class ActivationCapture:
         for counts in (report.counts, memory.outcomes):
             counts[Outcome.COMPRESSED.value] -= 1
             counts[Outcome.DEDUPLICATED.value] = counts.get(Outcome.DEDUPLICATED.value, 0) + 1
+
+    def _terms_of(self, module: str, op: str | None, decision: Decision) -> _Terms:
+        """The codec and the fewest bits of ``decision`` for a save by ``op`` in ``module``:
+        found once per decision (a step's saves repeat the last step's decisions), looked up
+        at every save by the decision's identity (the entry holds it, so no other object
+        takes its id while the entry lives)."""
+        key = (module, op, id(decision))
+        terms = self._terms.get(key)
+        if terms is None or terms.policy is not self.policy:
+            if len(self._terms) >= _TERMS_KEPT:  # new decisions at every step: start again
+                self._terms.clear()
+            terms = self._terms[key] = _Terms(decision, self.policy, self._codec_for(module, op, decision),
+                                              self._bits_needed(module, op, decision))
+        return terms
 
     def _bits_needed(self, module: str, op: str | None, decision: Decision) -> float:
         """The fewest bits a copy stored for another save may have to serve this one: the
@@ -957,7 +976,7 @@ class ActivationCapture:
         layout = laid_out = decision.layout
         kept_copy = dense  # what an exact slot keeps where ``t`` is a view of a larger storage
         slot = self._next_slot(module)
-        codec = self._codec_for(module, op, decision)
+        codec = self._terms_of(module, op, decision).codec
         if decision.row_layout is not None and isinstance(codec, GroupQuantCodec):
             # A normalisation's rows laid out for the quantizer's groups.
             layout = decision.row_layout
@@ -965,15 +984,21 @@ class ActivationCapture:
         restorer = None
         if decision.substitute is not None:
             dense, restorer = decision.substitute.store(dense)
-        info = SlotInfo(
-            module=module,
-            shape=tuple(t.shape),
-            numel=dense.numel(),
-            groups=-(-dense.numel() // getattr(codec, "group_size", self.config.group_size)),
-            element_bits=dense.element_size() * 8,
-            op=op,
-            min_bits=decision.min_bits,
-        )
+        plan = self._slot_plans.get(slot)
+        if plan is None or plan.decision is not decision or plan.op != op or plan.codec is not codec:
+            # A slot's sizes follow from its decision (made for one dtype, shape and strides),
+            # its op and its codec: described once, not at every step.
+            info = SlotInfo(
+                module=module,
+                shape=tuple(t.shape),
+                numel=dense.numel(),
+                groups=-(-dense.numel() // getattr(codec, "group_size", self.config.group_size)),
+                element_bits=dense.element_size() * 8,
+                op=op,
+                min_bits=decision.min_bits,
+            )
+            plan = self._slot_plans[slot] = _SlotPlan(decision, op, codec, info)
+        info = plan.info
         probing = self._probe is not None
         if not probing or slot not in self.slots:
             # A probe runs on a few rows of the batch: the sizes the policy plans with stay
@@ -1009,7 +1034,7 @@ class ActivationCapture:
         memory = self._account(module, t, Outcome.COMPRESSED, record.nbytes)
         memory.bits.add(bits)
         memory.codecs.add(record.codec)
-        self.report.slots[slot] = SlotMemory(module, tuple(t.shape), bits, dense_bytes, record.nbytes, record.codec, op)
+        self.report.slots[slot] = plan.memory_of(bits, dense_bytes, record.nbytes, record.codec)
         return Compressed(record, layout, restorer, slot)
 
     def _store_exact(self, t: torch.Tensor, dense: torch.Tensor, layout: Layout, module: str, op: str | None,
@@ -1031,6 +1056,44 @@ class ActivationCapture:
         memory.bits.add(None)
         self.report.slots[slot] = SlotMemory(module, tuple(t.shape), None, dense_bytes, dense_bytes, "stored", op)
         return saved
+
+
+class _SlotPlan:
+    """What a slot's saves have in common from step to step: the decision, op and codec it
+    was described under, its description, and the last report entry it made."""
+
+    __slots__ = ("decision", "op", "codec", "info", "memory")
+
+    def __init__(self, decision: Decision, op: str | None, codec: GroupQuantCodec | DivisionCodec | PoolCodec,
+                 info: SlotInfo):
+        self.decision, self.op, self.codec, self.info = decision, op, codec, info
+        self.memory: SlotMemory | None = None
+
+    def memory_of(self, bits: int, saved_bytes: int, stored_bytes: int, codec: str) -> SlotMemory:
+        """The slot's report entry for this save: the last one where nothing changed."""
+        memory = self.memory
+        if (memory is None or memory.bits != bits or memory.saved_bytes != saved_bytes
+                or memory.stored_bytes != stored_bytes or memory.codec != codec):
+            info = self.info
+            memory = self.memory = SlotMemory(info.module, info.shape, bits, saved_bytes, stored_bytes, codec, info.op)
+        return memory
+
+
+#: ``StorageWeakRef.expired`` without the ``eval`` torch's method runs at every call: checked
+#: several times per save.
+_storage_expired = torch.UntypedStorage._expired
+
+#: Entries :meth:`ActivationCapture._terms_of` keeps before it starts again.
+_TERMS_KEPT = 4096
+
+
+class _Terms(NamedTuple):
+    """What a decision means for a save by one op in one module, under one policy's rules."""
+
+    decision: Decision  # held: its id keys the entry
+    policy: BitPolicy
+    codec: GroupQuantCodec | DivisionCodec | PoolCodec
+    needed: float
 
 
 def _hold_until_read(t: torch.Tensor) -> None:

@@ -129,7 +129,7 @@ class ModuleMemory:
         return f"{self.saved_bytes / self.stored_bytes:.2f}x" if self.saved_bytes and self.stored_bytes else "-"
 
 
-@dataclass
+@dataclass(frozen=True)
 class SlotMemory:
     """One stored tensor: where and by which op it was saved, its shape, codec, bits and bytes."""
 
