@@ -14,7 +14,7 @@ from lightning_act import ActCompression, ActivationCapture, CompressionConfig, 
 from lightning_act.ops import ensure_kernels, loaded_kernels
 from lightning_act.policy import EXACT, SlotInfo, TargetBits, parse_memory_target
 from lightning_act.policy.allocation import storage_bits
-from lightning_act.policy.memory_target import AIM, COMPILED_PLANS, Verdict
+from lightning_act.policy.memory_target import AIM, COMPILED_LEAST_SLOPE, COMPILED_PLANS, Verdict
 
 MIB = 2**20
 
@@ -106,6 +106,30 @@ def test_a_compiled_model_moves_up_from_a_steeper_slope_in_a_few_plans():
     assert peaks[-1] >= 0.9 * policy.target_bytes, peaks
     assert 1 <= plans <= COMPILED_PLANS
     assert policy.plans_left == COMPILED_PLANS - plans  # the floor's plan used none of them
+
+
+def test_a_compiled_model_whose_peak_follows_its_plan_gently_spends_its_later_plans_at_the_measured_slope():
+    """Compiled, the peak may rise by less than a byte per byte of plan (a compiled ViT's moves
+    measured 1.2, 0.8 and 0.1): held at the starting slope of two, the three plans ended at
+    0.875 of the target here; moving at what the last move measured (at least one), they end
+    above 0.9 of it, and never over."""
+    slots = _slots(count=16, numel=1 << 14)
+    base = MIB
+    policy = TargetBits(base + 400_000)
+    policy.follow_compiled()
+    policy.update({}, slots)
+
+    def step():
+        return base + int(0.6 * _storage_bytes(policy, slots))
+
+    peaks = []
+    for _ in range(12):
+        peaks.append(step())
+        if policy.observe(peaks[-1], slots) is Verdict.MOVE:
+            policy.update({}, slots)
+    assert max(peaks) <= policy.target_bytes, peaks
+    assert peaks[-1] >= 0.9 * policy.target_bytes, peaks
+    assert policy.slope == COMPILED_LEAST_SLOPE  # 0.6 measured: the least a compiled move takes
 
 
 def test_target_loop_moves_down_and_says_when_the_floor_is_over():

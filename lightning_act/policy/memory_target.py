@@ -22,7 +22,10 @@ within the storage the target leaves, closed loop on the peak each step measures
    at the peak. Under ``torch.compile`` a byte of plan cost up to 1.3 bytes of peak (the
    compiled backward's buffers are the compiler's), so a compiled model starts from a slope
    of ``COMPILED_SLOPE``, and makes at most ``COMPILED_PLANS`` plans: each compiles the
-   graphs again (:meth:`TargetBits.follow_compiled`).
+   graphs again (:meth:`TargetBits.follow_compiled`). There the peak follows storage less
+   as storage grows (moves measured 1.2, 0.8, then 0.1 bytes of peak per byte), so each
+   later move takes the slope the last one measured, at least ``COMPILED_LEAST_SLOPE``:
+   held at the steepest, the plans ran out at 0.85 of the target.
 3. A step over the target (a longer sequence, a larger batch) moves the plan down by the
    excess; if the records alive at the peak are only part of them, a few steps are needed.
    No later plan comes back to the storage that step was over with (until a restart): where
@@ -69,6 +72,8 @@ COMPILED_PLANS = 3
 #: one raised the peak by up to 1.29 bytes per byte of plan (the partition and the
 #: compiler's buffers follow the bits), and overshot the target by up to 9%.
 COMPILED_SLOPE = 2.0
+#: The least slope a compiled model's later moves take, whatever the last one measured.
+COMPILED_LEAST_SLOPE = 1.0
 
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -185,7 +190,8 @@ class TargetBits(AllocatedBits):
         #: The peak the current plan is expected to stay under (None before a measurement).
         self.predicted_peak: int | None = None
         #: The most the peak rose per byte of storage a move added: 1 in eager (see the
-        #: module), raised to what a move measures where it was more.
+        #: module), raised to what a move measures where it was more; compiled, what the
+        #: last move measured (see the module).
         self.slope = 1.0
         #: New plans still allowed (None: any number; ``COMPILED_PLANS`` for a compiled model).
         self.plans_left: int | None = None
@@ -238,7 +244,9 @@ class TargetBits(AllocatedBits):
         storage = sum(storage_by_slot.values())
         added = (storage - self._measured_total) / 8
         if self.measured_peak is not None and added > 0.01 * self.target_bytes:
-            self.slope = min(max(self.slope, (peak_bytes - self.measured_peak) / added), MAX_SLOPE)
+            measured = (peak_bytes - self.measured_peak) / added
+            least = self.slope if self.plans_left is None else COMPILED_LEAST_SLOPE
+            self.slope = min(max(least, measured), MAX_SLOPE)
         self.measured_peak = peak_bytes
         self._measured_steps += 1
         self._moving = False
