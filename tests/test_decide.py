@@ -318,6 +318,28 @@ def test_a_derivative_is_restored_a_level_at_a_time_as_from_its_decoded_values(b
     assert torch.equal(restored.nan_to_num(), expected.nan_to_num())
 
 
+def test_derivatives_of_one_function_share_their_tables():
+    """Each layer's GELU finds its own derivative (here: two call signatures); their tables
+    and grids are held once, by their values, not once per layer. SiLU's are its own."""
+    x, y = torch.randn(4096) * 3, torch.randn(64, 96) * 3
+    first = decided(x, call("gelu", x)).substitute
+    second = decided(y, call("gelu", y)).substitute
+    other = decided(x, call("silu", x)).substitute
+    assert first is not second
+    cpu = torch.device("cpu")
+    assert first.inverse_grid(cpu) is second.inverse_grid(cpu)
+    assert first.inverse_grid(cpu) is not other.inverse_grid(cpu)
+    first.store(x), second.store(y), other.store(x)
+    assert first._grids["store", cpu] is second._grids["store", cpu] is not None
+    assert other._grids["store", cpu] is not first._grids["store", cpu]
+    # What each restores is still its own function's inverse.
+    for substitute, activation in ((second, F.gelu), (other, F.silu)):
+        derivative, restorer = substitute.store(y)
+        back = restorer.restore(derivative.clone()).requires_grad_()
+        (read,) = torch.autograd.grad(activation(back), back, torch.ones_like(y))
+        assert torch.allclose(read, derivative, atol=1e-4)
+
+
 def test_integers_saved_outside_any_call_are_measured_on_the_cpu():
     """A custom autograd function's index: no op bounds it, so the CPU measures its range (a
     byte buffer, whose bytes span their whole range, is kept)."""

@@ -132,6 +132,29 @@ def test_a_compiled_model_whose_peak_follows_its_plan_gently_spends_its_later_pl
     assert policy.slope == COMPILED_LEAST_SLOPE  # 0.6 measured: the least a compiled move takes
 
 
+def test_a_target_above_every_tensor_exact_is_said_to_compress_nothing_once_a_step_measures_that():
+    """The plan reaches every tensor exact under the target; it is said to compress nothing
+    only after a step ran that plan, not at the move to it (the step before still compressed)."""
+    slots = _slots()
+    base = MIB
+    policy = TargetBits(base + 4 * _slots()["m0#0"].numel * 4 * 2)  # room for all of them exact, twice
+
+    def step():
+        return base + _storage_bytes(policy, slots)
+
+    told = []
+    for _ in range(8):
+        verdict = policy.observe(step(), slots)
+        told.append(policy.all_exact_fits)
+        if verdict is Verdict.MOVE:
+            policy.update({}, slots)
+            assert not policy.all_exact_fits  # moved, not yet measured
+    assert all(bits is EXACT for bits in policy.assignment.values())
+    assert told[-1] and not told[0]
+    first = told.index(True)
+    assert all(told[first:])
+
+
 def test_target_loop_moves_down_and_says_when_the_floor_is_over():
     slots = _slots()
     policy = TargetBits(20 * MIB)

@@ -187,6 +187,8 @@ class TargetBits(AllocatedBits):
         #: The last measured step's peak, and the storage (bits) its plan gave the free slots.
         self.measured_peak: int | None = None
         self._measured_storage: dict[str, float] = {}
+        # Whether that step's plan kept every free tensor exact.
+        self._measured_all_exact = False
         #: The peak the current plan is expected to stay under (None before a measurement).
         self.predicted_peak: int | None = None
         #: The most the peak rose per byte of storage a move added: 1 in eager (see the
@@ -231,6 +233,7 @@ class TargetBits(AllocatedBits):
         self.assignment = {}
         self.measured_peak = self.predicted_peak = None
         self._measured_storage = {}
+        self._measured_all_exact = False
         self._measured_steps = 0
         self._measured_total = 0.0
         self._ceiling = None
@@ -248,6 +251,7 @@ class TargetBits(AllocatedBits):
             least = self.slope if self.plans_left is None else COMPILED_LEAST_SLOPE
             self.slope = min(max(least, measured), MAX_SLOPE)
         self.measured_peak = peak_bytes
+        self._measured_all_exact = bool(self.assignment) and all(bits is EXACT for bits in self.assignment.values())
         self._measured_steps += 1
         self._moving = False
         self._measured_storage, self._measured_total = storage_by_slot, storage
@@ -270,9 +274,9 @@ class TargetBits(AllocatedBits):
     @property
     def all_exact_fits(self) -> bool:
         """Whether the last measured step kept every free tensor exact and stayed under the
-        target: the target is above the uncompressed peak."""
-        return (self.measured_peak is not None and self.measured_peak <= self.target_bytes and bool(self.assignment)
-                and all(bits is EXACT for bits in self.assignment.values()))
+        target: the target is above the uncompressed peak. (A plan that has just moved to
+        every tensor exact is not that yet: its step is still to be measured.)"""
+        return self._measured_all_exact and self.measured_peak is not None and self.measured_peak <= self.target_bytes
 
     def update(
         self, variance: Mapping[str, Mapping[int, float]], slots: Mapping[str, SlotInfo]
