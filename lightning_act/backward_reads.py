@@ -1062,7 +1062,7 @@ _GRID = 1 << 16  # pieces of the uniform grids h and its inverse are read from
 
 # A derivative's tables (its branch's samples, its grids on each device), by their values:
 # each layer's GELU, and each compiled graph's derivative rebuilt from its plan, tabulate the
-# same function. Held once per derivative object, a compiled ViT's six GELUs held 4.5 MiB of
+# same function. Held by each derivative object, a compiled ViT's six GELUs held 4.5 MiB of
 # copies, and 0.8 MiB more with each new plan: memory every step's peak counted.
 _TABLES: dict[tuple, Any] = {}
 

@@ -155,6 +155,45 @@ def test_a_target_above_every_tensor_exact_is_said_to_compress_nothing_once_a_st
     assert all(told[first:])
 
 
+def test_a_compiled_model_over_the_target_after_a_move_goes_back_to_the_plan_that_fitted():
+    """Compiled, a move up crossed a level where the peak jumps (a compiled ViT's rose 2.9
+    bytes per byte of plan, 0.85 the move before): the next plan is the last one that fitted,
+    not the floor the excess would move down to, and it costs no plan (its graphs are
+    compiled). A step over the target moves even with no plan left."""
+    slots = _slots(count=16, numel=1 << 14)
+    base = MIB
+    policy = TargetBits(base + 700_000)
+    policy.follow_compiled()
+    policy.update({}, slots)
+    jump_above = 300_000  # bytes of plan past which the peak jumps by 400 kB
+
+    def step():
+        stored = _storage_bytes(policy, slots)
+        return base + stored + (400_000 if stored > jump_above else 0)
+
+    peaks, plans = [], []
+    for _ in range(10):
+        peaks.append(step())
+        if policy.observe(peaks[-1], slots) is Verdict.MOVE:
+            plans.append(policy.plans_left)
+            policy.update({}, slots)
+    over = [i for i, peak in enumerate(peaks) if peak > policy.target_bytes]
+    assert len(over) == 1, peaks  # the move that crossed the level, once
+    fitted = peaks[over[0] - 1]
+    assert peaks[over[0] + 1] == fitted  # straight back to the plan before it
+    assert min(peaks[over[0] + 1:]) >= fitted
+    assert policy.plans_left >= COMPILED_PLANS - len(plans)  # the way back used no plan
+
+    policy = TargetBits(base + 200_000)  # no plan left, then over: it still moves down
+    policy.follow_compiled()
+    policy.plans_left = 0
+    policy.assignment = {k: 8 for k in slots}
+    policy.observe(step(), slots)
+    assert policy.observe(step(), slots) is Verdict.MOVE and step() > policy.target_bytes
+    policy.update({}, slots)
+    assert step() <= policy.target_bytes
+
+
 def test_target_loop_moves_down_and_says_when_the_floor_is_over():
     slots = _slots()
     policy = TargetBits(20 * MIB)

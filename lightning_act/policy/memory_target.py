@@ -30,7 +30,10 @@ within the storage the target leaves, closed loop on the peak each step measures
    excess; if the records alive at the peak are only part of them, a few steps are needed.
    No later plan comes back to the storage that step was over with (until a restart): where
    the peak does not follow storage smoothly (which records are alive at the peak changes
-   with their bits), moves by the room alone swung between over and under the target.
+   with their bits), moves by the room alone swung between over and under the target. A
+   compiled model over the target after a move up goes back to the plan of the last step
+   under it instead, whose graphs are compiled already; a step over the target always moves,
+   whatever plans are left.
 4. A recalibration (new sensitivities) re-plans at the storage the last step measured: it
    moves bits between tensors, which can move the peak by itself, and adds no room on top.
 
@@ -187,8 +190,10 @@ class TargetBits(AllocatedBits):
         #: The last measured step's peak, and the storage (bits) its plan gave the free slots.
         self.measured_peak: int | None = None
         self._measured_storage: dict[str, float] = {}
-        # Whether that step's plan kept every free tensor exact.
-        self._measured_all_exact = False
+        # Whether that step's plan kept every free tensor exact, and was over the target.
+        self._measured_all_exact = self._over = False
+        # The plan of the last measured step under the target, and its peak (None: none yet).
+        self._fitting: tuple[dict[str, int | None], int] | None = None
         #: The peak the current plan is expected to stay under (None before a measurement).
         self.predicted_peak: int | None = None
         #: The most the peak rose per byte of storage a move added: 1 in eager (see the
@@ -233,7 +238,8 @@ class TargetBits(AllocatedBits):
         self.assignment = {}
         self.measured_peak = self.predicted_peak = None
         self._measured_storage = {}
-        self._measured_all_exact = False
+        self._measured_all_exact = self._over = False
+        self._fitting = None
         self._measured_steps = 0
         self._measured_total = 0.0
         self._ceiling = None
@@ -252,6 +258,9 @@ class TargetBits(AllocatedBits):
             self.slope = min(max(least, measured), MAX_SLOPE)
         self.measured_peak = peak_bytes
         self._measured_all_exact = bool(self.assignment) and all(bits is EXACT for bits in self.assignment.values())
+        self._over = peak_bytes > self.target_bytes
+        if not self._over:
+            self._fitting = dict(self.assignment), peak_bytes
         self._measured_steps += 1
         self._moving = False
         self._measured_storage, self._measured_total = storage_by_slot, storage
@@ -288,7 +297,9 @@ class TargetBits(AllocatedBits):
                 slot has an estimate yet, each value counts alike (noise ``S(b)`` per value).
             slots: every slot, with its size.
         """
-        if self.plans_left == 0:
+        if self._over and self.plans_left is not None and self._fitting and self._fitting[0] != self.assignment:
+            return self._back_to_fitting()
+        if self.plans_left == 0 and not self._over:  # a step over the target always moves
             self._stalled = True
             return self.assignment
         before = self._measured_total
@@ -299,12 +310,24 @@ class TargetBits(AllocatedBits):
         # A move that changed nothing stalls the loop until a step goes over the target; a
         # recalibration's new sensitivities give the room a fresh chance.
         self._stalled = moving and assignment == planned
-        if self.plans_left is not None and assignment != planned and self.measured_peak is not None:
+        if self.plans_left and assignment != planned and self.measured_peak is not None:
             self.plans_left -= 1  # a move: the floor's plan, before any measured step, is not one
         if self.measured_peak is not None:
             after = sum(self._storage(k, slots[k]) for k in self._measured_storage if k in slots)
             self.predicted_peak = self.measured_peak + int(self.slope * (after - before) // 8)
         return assignment
+
+    def _back_to_fitting(self) -> dict[str, int | None]:
+        """Compiled, over the target after a move up: back to the plan of the last step under
+        it. Its graphs are compiled already (the same plan is the same hooks, which Dynamo's
+        cache holds them under), so it costs no plan. Moved down by the excess instead, a
+        compiled ViT whose peak rose 2.9 bytes per byte of that move (0.85 the move before)
+        fell to its floor's peak, with no plan left to climb back."""
+        assignment, peak = self._fitting
+        self.assignment = dict(assignment)
+        self.predicted_peak = peak
+        self._over = self._moving = self._stalled = False
+        return self.assignment
 
     def allowance(self, sizes: Mapping[str, tuple[int, int, int]], floors: Mapping[str, int]) -> float:
         if self._measured_steps < 2:
