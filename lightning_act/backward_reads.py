@@ -909,9 +909,7 @@ class PointwiseDerivative:
         # float64 on the CPU, hs ascending; held once per table (see ``_TABLES``), xs apart
         # from the wider grid it may view
         self._table_key = _digest(xs, hs)
-        if ("branch", self._table_key) not in _TABLES:
-            _TABLES["branch", self._table_key] = xs.clone(), hs.clone()
-        self._xs, self._hs = _TABLES["branch", self._table_key]
+        self._xs, self._hs = _shared(("branch", self._table_key), lambda: (xs.clone(), hs.clone()))
         self._dtype = dtype
         self._source = source
         # This derivative's grids, by use and device: the shared ones, found without a digest.
@@ -1009,10 +1007,8 @@ class PointwiseDerivative:
         by position on the whole grid, not ``exact``), on ``device``: what :meth:`restore`
         reads, and the graph ops' C++ side with it."""
         if ("inverse", device) not in self._grids:
-            key = ("inverse", device, self._table_key)
-            if key not in _TABLES:
-                _TABLES[key] = self._inverse_grid(device)
-            self._grids["inverse", device] = _TABLES[key]
+            self._grids["inverse", device] = _shared(("inverse", device, self._table_key),
+                                                     lambda: self._inverse_grid(device))
         return self._grids["inverse", device]
 
     def _inverse_grid(self, device: torch.device) -> _Grid:
@@ -1036,10 +1032,7 @@ class PointwiseDerivative:
                     (beyond - hs[[0, -1]]).abs().max().item())
         if not error <= 1e-6 * span:  # NaN included
             return None
-        key = ("store", device, _digest(hs))
-        if key not in _TABLES:
-            _TABLES[key] = _Grid.through(xs, hs, device, exact=True)
-        return _TABLES[key]
+        return _shared(("store", device, _digest(hs)), lambda: _Grid.through(xs, hs, device, exact=True))
 
     def _line_table(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The table's ends and, for the piece ending at each, the line ``x = a + b h`` through
@@ -1065,6 +1058,13 @@ _GRID = 1 << 16  # pieces of the uniform grids h and its inverse are read from
 # same function. Held by each derivative object, a compiled ViT's six GELUs held 4.5 MiB of
 # copies, and 0.8 MiB more with each new plan: memory every step's peak counted.
 _TABLES: dict[tuple, Any] = {}
+
+
+def _shared(key: tuple, make: Callable[[], Any]) -> Any:
+    """The table held under ``key``, made by ``make`` the first time."""
+    if key not in _TABLES:
+        _TABLES[key] = make()
+    return _TABLES[key]
 
 
 def _digest(*tables: torch.Tensor) -> bytes:
