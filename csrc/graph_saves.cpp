@@ -35,8 +35,8 @@ namespace {
 
 // What a plan stores: Plan.form of lightning_act.capture.compiled. A derivative save packs as
 // a quantized one (kQuant) and decodes as kDerivative: back to the input on the derivative's
-// branch whose derivative is the decoded value.
-enum Form : int64_t { kQuant = 0, kMask = 1, kIndex = 2, kDerivative = 3 };
+// branch whose derivative is the decoded value. kCopy: an exact copy of a view's own values.
+enum Form : int64_t { kQuant = 0, kMask = 1, kIndex = 2, kDerivative = 3, kCopy = 4 };
 
 // How a registered plan packs: quantized (``axis`` -1 for memory order; ``along_axis``
 // plans, surveyed or given an axis, return a third part, the matrices (rows, columns) the
@@ -324,7 +324,9 @@ std::vector<at::Tensor> pack_saved(const at::Tensor& input, c10::string_view pla
     native = found != s.packers.end() && found->second.numel == input.numel() && found->second.token == s.token;
     if (native) {
       packer = found->second;
-      kept_alive = s.external_storages.count(reinterpret_cast<int64_t>(input.storage().data())) > 0;
+      // A copy's part is as large as its input: an input kept alive is copied all the same.
+      kept_alive = packer.form != kCopy &&
+                   s.external_storages.count(reinterpret_cast<int64_t>(input.storage().data())) > 0;
       native = kept_alive || !packer.kept_only;
       if (native && !kept_alive) seed = next_seed_locked(s);  // a mask's too: the stream stays Python's
     }
@@ -338,7 +340,10 @@ std::vector<at::Tensor> pack_saved(const at::Tensor& input, c10::string_view pla
     return parts;
   }
   std::vector<at::Tensor> parts;
-  if (packer.form == kMask) {
+  if (packer.form == kCopy) {
+    const at::Tensor values = flat(input).view({-1});
+    parts = {values.is_alias_of(input) ? values.clone() : values};
+  } else if (packer.form == kMask) {
     parts = {pack_bit_fields(flat(input).view({-1}).view(at::kByte), 1)};
   } else if (packer.form == kIndex) {
     parts = {pack_index(input, packer.bits, packer.offset)};
@@ -399,6 +404,7 @@ at::Tensor unpack_saved(at::TensorList parts, c10::SymIntArrayRef sym_size, c10:
   const at::IntArrayRef size = C10_AS_INTARRAYREF_SLOW(sym_size), stride = C10_AS_INTARRAYREF_SLOW(sym_stride);
   int64_t numel = 1;
   for (const int64_t length : size) numel *= length;
+  if (decoder.form == kCopy) return restore(parts[0], size, stride);
   if (decoder.form == kMask) return restore(unpack_bit_fields(parts[0], 1, numel).view(at::kBool), size, stride);
   if (decoder.form == kIndex) {
     return restore(unpack_index(parts[0], decoder.bits, decoder.offset, numel, dtype), size, stride);

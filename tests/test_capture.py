@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_act import ActivationCapture, CompressionConfig, compress_activations
 from lightning_act.capture import OUTSIDE_MODULES
@@ -336,14 +337,21 @@ def test_a_shared_storage_run_is_stored_again_for_a_module_pinned_to_more_bits(r
         assert capture.report.counts.get("deduplicated", 0) == 0
 
 
-def test_an_exact_slot_viewing_part_of_a_storage_keeps_its_own_values_not_the_storage():
+@pytest.mark.parametrize("dim", [-1, 0], ids=["strided_half", "contiguous_run"])
+def test_an_exact_slot_viewing_part_of_a_storage_keeps_its_own_values_not_the_storage(dim):
     """A gate's half of a projection's output (an attention's value, a third of ``qkv``):
     kept exact as a view, it held the whole projection alive; kept as a copy, its own bytes,
-    and the same gradient."""
+    and the same gradient. A half that is a run of the storage (``qkv`` split along its
+    first axis, as ``nn.MultiheadAttention`` splits it) is already dense in memory order, so
+    it is copied too: kept as that run, it held the projection."""
 
     class Gate(nn.Module):
         def forward(self, x, scale, weight):
-            kept, other = F.linear(x, weight).chunk(2, dim=-1)
+            projection = F.linear(x, weight)
+            if dim == 0:
+                projection = projection.t().contiguous().t()  # each half a run of memory
+            self.projection = StorageWeakRef(projection.untyped_storage())
+            kept, other = projection.chunk(2, dim=-1)
             return (kept * scale).sum() + other.sum()
 
     torch.manual_seed(0)
@@ -354,6 +362,8 @@ def test_an_exact_slot_viewing_part_of_a_storage_keeps_its_own_values_not_the_st
     capture = ActivationCapture(CompressionConfig(bits=2, min_numel=0), model, FixedBits(2, {"op:mul": "exact"}))
     with capture.capturing(inputs=(x, scale)):
         loss = model(x, scale, weight)
+    gc.collect()
+    assert model.projection.expired()  # what the process keeps, not only what the report counts
     assert capture.report.stored_bytes == 64 * 256 * 4  # the half, not the projection's 64 x 512
     for grad, exact in zip(torch.autograd.grad(loss, (scale, weight)), exact_grads):
         assert torch.equal(grad, exact)

@@ -5,6 +5,7 @@ the same results through the Lightning callback."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import subprocess
@@ -120,6 +121,55 @@ def test_a_graph_whose_every_save_is_kept_exact_reports_them_as_eager_does():
     assert compiled.stored_bytes == eager.stored_bytes > 0
     assert set(compiled.slots) == set(eager.slots)
     assert all(slot.bits is None and slot.codec == "stored" for slot in compiled.slots.values())
+
+
+def test_an_exact_save_viewing_part_of_a_storage_is_kept_as_a_copy_of_its_own_values():
+    """A half of a projection's output (an attention's value, a third of ``qkv`` split along
+    its first axis) that a rule keeps exact: as eager does, the graph keeps a copy of its
+    own values, not the view, which held the whole projection from forward to backward.
+    What the process holds after the forward is measured, beside the gradient and the C++
+    side serving the copy with no Python after the first step."""
+    from lightning_act import ops
+
+    ops.ensure_kernels("cpu")
+    if not (ops.loaded_kernels()["cpu"] and torch.ops.lightning_act.live_memory_install()):
+        pytest.skip("the CPU kernels did not build")
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.projection = nn.Linear(32, 1024, bias=False)
+
+        def forward(self, x, scale):
+            projection = self.projection(x).t().contiguous().t()  # each half a run of memory
+            kept, other = projection.chunk(2, dim=-1)
+            return (kept * scale).sum() + other.sum()
+
+    torch.manual_seed(0)
+    model = Gate()
+    x, scale = torch.randn(256, 32), torch.randn(256, 512, requires_grad=True)
+    exact = torch.autograd.grad(model(x, scale), (scale, model.projection.weight))
+    run = torch.compile(model, backend="inductor")
+    capture = ActivationCapture(CompressionConfig(bits=2, min_numel=0), model, FixedBits(2, {"op:mul": "exact"}))
+
+    def one_step():
+        gc.collect()  # no earlier test's garbage freed inside the step
+        before = torch.ops.lightning_act.live_memory_read()[0]
+        with capture.capturing(inputs=(x, scale)):
+            loss = run(x, scale)
+        held = torch.ops.lightning_act.live_memory_read()[0] - before
+        return held, torch.autograd.grad(loss, (scale, model.projection.weight))
+
+    for _ in range(2):
+        held, grads = one_step()
+        half = 256 * 512 * 4
+        assert 0.9 * half <= held < 1.5 * half  # the half, not the projection's 1 MiB
+        assert capture.report.stored_bytes == half and capture.report.counts["exact"] == 1
+        for grad, expected in zip(grads, exact):
+            torch.testing.assert_close(grad, expected)
+    calls = graph_op_calls(one_step)
+    assert calls["pack_saved"] == 2  # the copy, and ``scale`` (an input: handed back as it is)
+    assert calls["pack_saved_python"] == calls["unpack_saved_python"] == 0
 
 
 @pytest.mark.slow  # 2 s
@@ -683,14 +733,17 @@ def test_pack_is_kept_out_of_cuda_graphs():
 
 
 _CACHED_RUN = """
-import torch, torch.nn.functional as F
+import torch, torch.nn.functional as F, warnings
 from torch._dynamo.utils import counters
-from lightning_act import compress_activations
+from lightning_act import ActivationCapture, CompressionConfig
+from lightning_act.policy import FixedBits
+warnings.filterwarnings("error", message="lightning_act")  # a rule the cached graph applies matched
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 10))
 run = torch.compile(model, backend="inductor")
 x = torch.randn(64, 64)
-with compress_activations(model, bits=2) as capture:
+capture = ActivationCapture(CompressionConfig(), model, FixedBits(2, {"op:tanh": 8}))
+with capture.capturing(inputs=x):
     loss = run(x).square().mean()
 loss.backward()
 print(capture.report.counts["compressed"], counters["aot_autograd"]["autograd_cache_hit"])

@@ -76,9 +76,11 @@ class Plan(NamedTuple):
     """How one saved node of a compiled graph is stored (baked into the graph as a string)."""
 
     # "quant", "derivative" (a pointwise op's input: the graph packs its derivative), "mask",
-    # "index" (integers in fewer bits, exact), "cells" (the cells between constants, exact)
-    # or "kept" (kept as it is, packed into nothing: it carries :attr:`kept` into the report
-    # for a graph that packs no other save)
+    # "index" (integers in fewer bits, exact), "cells" (the cells between constants, exact),
+    # "copy" (kept exact as a copy of its own values: a view of part of a larger storage,
+    # which kept as it is would hold all of that storage) or "kept" (kept as it is, packed
+    # into nothing: it carries :attr:`kept` into the report for a graph that packs no other
+    # save)
     form: str
     bits: int
     group_size: int
@@ -165,6 +167,10 @@ class PackedSave(NamedTuple):
         if plan.form in _LOSSLESS_FORMS:
             delta.note(plan.module, Outcome.LOSSLESS, plan.op, saved, stored).codecs.add(plan.form)
             return cls(plan, delta, kept_alive, None)
+        if plan.form == "copy":
+            delta.note(plan.module, Outcome.EXACT, plan.op, saved, stored).bits.add(None)
+            delta.slots[plan.slot] = SlotMemory(plan.module, tuple(t.shape), None, saved, stored, "stored", plan.op)
+            return cls(plan, delta, kept_alive, None)
         memory = delta.note(plan.module, Outcome.COMPRESSED, plan.op, saved, stored)
         memory.codecs.add("quant")
         memory.compressed += 1
@@ -191,7 +197,7 @@ _PACKED_SAVES: dict[tuple[str, int], PackedSave] = {}
 _PACKED_SAVES_KEPT = 1 << 14
 #: The C++ side's code of each plan form it packs (a derivative save packs as a quantized
 #: one and is decoded by a decoder of its own, registered with the derivative's inverse).
-_NATIVE_FORMS = {"quant": 0, "derivative": 0, "mask": 1, "index": 2}
+_NATIVE_FORMS = {"quant": 0, "derivative": 0, "mask": 1, "index": 2, "copy": 4}
 #: Forms stored exactly (the cells between constants are served by Python alone).
 _LOSSLESS_FORMS = frozenset({"mask", "index", "cells"})
 #: Sets of packed saves whose sum is kept (a few per graph: the steps' drains repeat).
@@ -286,6 +292,9 @@ def _encode(x: torch.Tensor, plan: Plan, seed: int, axis: int | None = None) -> 
         return [pack_bit_fields(_flat(x).view(torch.uint8), 1, planar=True)]
     if plan.form == "kept":
         return [x.new_empty(0)]
+    if plan.form == "copy":
+        flat = _flat(x)
+        return [flat.clone() if x.is_contiguous() or _memory_order(x.shape, x.stride()) else flat]
     if plan.form == "index":
         return [IndexCodec().pack(_flat(x), 0, 0, value_range=plan.index_range).codes]
     if plan.form == "cells":
@@ -349,7 +358,7 @@ def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
         parsed = _parse(plan)
         ops.ensure_kernels(input.device)
         capture = capturing_now()
-        if capture is not None and parsed.form != "kept" and capture.keeps_alive(input):
+        if capture is not None and parsed.form not in ("kept", "copy") and capture.keeps_alive(input):
             parts = [torch.empty_like(p, device=input.device) if p.is_meta else p
                      for p in _encode(input.detach().to("meta"), parsed, 0)]
             _KEPT_INPUTS[parts[0]] = input.detach()
@@ -377,7 +386,9 @@ def _pack_saved_fake(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
 def _decode(parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
             plan: Plan) -> torch.Tensor:
     numel = math.prod(size)
-    if plan.form == "mask":
+    if plan.form == "copy":
+        flat = parts[0]
+    elif plan.form == "mask":
         flat = unpack_bit_fields(parts[0], 1, planar=True, numel=numel).view(torch.bool)
     elif plan.form == "index":
         width, offset = index_layout(*plan.index_range, dtype)
@@ -1124,16 +1135,18 @@ def _fixed_size(source: Any, dim: Any) -> int | None:
 def _backward_readers(placeholder: fx.Node) -> list[tuple[int, int, dict]]:
     """``(forward sequence number, order found, forward module stack)`` of each backward node
     reading ``placeholder`` (views and detaches of it looked through): which forward op's
-    backward each is, as torch records it."""
+    backward each is, as torch records it. An op of the compiled module's own forward has an
+    empty module stack, and is a reader all the same (its name is what an ``op:`` rule
+    matches)."""
     readers, stack, seen = [], list(placeholder.users), set()
     while stack:
         user = stack.pop()
         if user in seen:
             continue
         seen.add(user)
-        modules, order = user.meta.get("fwd_nn_module_stack"), user.meta.get("seq_nr")
-        if modules and order is not None:
-            readers.append((int(order), len(readers), modules))
+        order = user.meta.get("seq_nr")
+        if order is not None and "fwd_nn_module_stack" in user.meta:
+            readers.append((int(order), len(readers), user.meta["fwd_nn_module_stack"] or {}))
         elif _op_name(user) in _VIEWS:
             stack.extend(user.users)
     return readers
@@ -1258,6 +1271,11 @@ class GraphPlan:
         capture.slots[slot] = info
         bits = capture.policy.bits_for(slot, info)
         if bits is None:  # a rule or the policy says so
+            if _hint(node.meta["val"].untyped_storage().nbytes()) > numel * val.element_size():
+                # A view of part of a storage (an attention's value, a third of ``qkv``): kept
+                # as it is, it held all of ``qkv`` (a compiled ViT's memory target went 14%
+                # over where its plan kept a value exact); as eager does, a copy of its own.
+                return Plan("copy", 0, 0, module, slot, op, decision.min_bits), Outcome.EXACT
             self._exact_slots[node.name] = (slot, info.shape, op)
             return None, Outcome.EXACT
         if decision.substitute is not None:

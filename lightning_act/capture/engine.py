@@ -325,8 +325,15 @@ class ActivationCapture:
         if not self._rules_checked and self.report.modules:
             # After the first session that saved anything: a rule that matched nothing is a typo.
             self._rules_checked = True
+            rules = self.policy.rules
+            for module, memory in self.report.modules.items():
+                for op in memory.ops or (None,):
+                    # A graph torch loaded from its cache was planned, and its rules looked
+                    # up, in the process that compiled it: a rule matching what it saved
+                    # matched here too.
+                    rules.lookup(module, op)
             ops = set().union(*(memory.ops for memory in self.report.modules.values()))
-            self.policy.rules.warn_unmatched(self._names.values(), ops)
+            rules.warn_unmatched(self._names.values(), ops)
         return self.report
 
     def _warn_if_graphs_skipped(self) -> None:
@@ -1050,7 +1057,9 @@ class ActivationCapture:
             memory = self._account(module, t, Outcome.EXACT, 0)
             saved = t.detach()
         else:
-            copy = dense if dense is not t else t.clone()
+            # ``dense`` is ``t``'s values in memory order: a view of the storage where they
+            # are one run of it (a third of ``qkv`` split along its first axis), else a copy.
+            copy = dense.clone() if dense.untyped_storage().data_ptr() == ptr else dense
             memory = self._account(module, t, Outcome.EXACT, dense_bytes, copied=True)
             saved = Compressed(KeptRecord(copy.detach()), layout)
         memory.bits.add(None)
