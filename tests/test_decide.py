@@ -318,6 +318,37 @@ def test_a_derivative_is_restored_a_level_at_a_time_as_from_its_decoded_values(b
     assert torch.equal(restored.nan_to_num(), expected.nan_to_num())
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_graph_ops_c_side_restores_a_derivative_as_python_does_within_three_times_its_bytes(bits, dtype):
+    """The graph ops' C++ side decodes a derivative save as Python does, bit for bit, with the
+    inverse taken a chunk of levels at a time: at 8 bits a group has as many levels as values,
+    and inverted whole, the table's temporaries were six times the tensor's bytes at once."""
+    from lightning_act import ops
+    from lightning_act.capture.compiled import Plan, _encode_plan
+
+    ops.ensure_kernels("cpu")
+    if not (ops.loaded_kernels()["cpu"] and torch.ops.lightning_act.live_memory_install()):
+        pytest.skip("the CPU kernels did not build")
+    torch.manual_seed(0)
+    x = torch.randn(300_000) * 3
+    substitute = decided(x, call("gelu", x)).substitute
+    derivative, _ = substitute.store(x)
+    plan = _encode_plan(Plan("derivative", bits, 256, "m", "m#0", "gelu", bits, derivative=substitute.source))
+    parts = torch.ops.lightning_act.pack_saved_python(derivative.to(dtype), plan)
+    expected = torch.ops.lightning_act.unpack_saved_python(parts, [x.numel()], [1], dtype, plan)
+    inverse = substitute.inverse_grid(x.device)
+    codes, width = ops.every_code(bits, x.device)
+    torch.ops.lightning_act.graph_native_derivative_decoder(
+        plan, bits, 256, codes, width, inverse.low, inverse.step, inverse.starts, inverse.slopes)
+    before = torch.ops.lightning_act.live_memory_read()[0]
+    torch.ops.lightning_act.live_memory_reset_peak()
+    restored = torch.ops.lightning_act.unpack_saved(parts, [x.numel()], [1], dtype, plan)
+    transient = torch.ops.lightning_act.live_memory_read()[1] - before
+    assert torch.equal(restored, expected)
+    assert transient <= 3 * restored.numel() * restored.element_size()
+
+
 def test_derivatives_of_one_function_share_their_tables():
     """Each layer's GELU finds its own derivative (here: two call signatures); their tables
     and grids are held once, by their values, not once per layer. SiLU's are its own."""
