@@ -214,8 +214,7 @@ lookup_levels_op() {
 // group's levels (ops.group_levels), put through the inverse a chunk at a time and written
 // over them, then read back by code (lookup_levels). At 8 bits a group has as many levels as
 // values: inverted whole, the table's temporaries (positions, pieces, two gathered lines)
-// were four more copies of the tensor at once, and a compiled ViT's step peaked 12 MiB higher
-// with one GELU input at 8 bits than at 4.
+// would be four more copies of the tensor at once.
 at::Tensor decode_derivative(const Decoder& decoder, const at::Tensor& codes, const at::Tensor& stats, int64_t numel,
                              at::ScalarType dtype) {
   const Inverse& inverse = decoder.inverse;

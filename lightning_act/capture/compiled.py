@@ -1273,8 +1273,7 @@ class GraphPlan:
         if bits is None:  # a rule or the policy says so
             if _hint(node.meta["val"].untyped_storage().nbytes()) > numel * val.element_size():
                 # A view of part of a storage (an attention's value, a third of ``qkv``): kept
-                # as it is, it held all of ``qkv`` (a compiled ViT's memory target went 14%
-                # over where its plan kept a value exact); as eager does, a copy of its own.
+                # as it is, it would hold all of ``qkv``; as eager does, a copy of its own.
                 return Plan("copy", 0, 0, module, slot, op, decision.min_bits), Outcome.EXACT
             self._exact_slots[node.name] = (slot, info.shape, op)
             return None, Outcome.EXACT
