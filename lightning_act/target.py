@@ -91,9 +91,12 @@ class MemoryTarget:
             yield capture
         self.steps += 1
         self.last_peak_bytes = self.meter.peak_bytes()
-        if self.last_peak_bytes is None or self.capture.compiled_in_session:
-            return  # not measurable here, or the compiler's own allocations are in this step
+        if self.last_peak_bytes is None:
+            return  # not measurable here
         lasting = self.meter.lasting_peak_bytes()
+        if self.capture.compiled_in_session and lasting > self.policy.target_bytes:
+            self.policy.skip()  # the compiler's own allocations may be what is over
+            return
         verdict = self.policy.observe(lasting, self.capture.slots)
         if verdict is Verdict.UNREACHABLE:
             self.policy.restart()  # a smaller batch next is measured afresh

@@ -231,12 +231,22 @@ class AllocatedBits(BitPolicy):
         self.candidates = [parse_bits(c, "candidates") for c in candidates]
         self.default_bits = default_bits
         self.assignment: dict[str, int | None] = {}
+        # The floors of the slots the last update allocated: what the default gives them.
+        self._floors: dict[str, int] = {}
 
     def choose(self, slot: str) -> int | None:
         return self.assignment.get(slot, self.default_bits)
 
     def choices_state(self) -> object:
-        return sorted(self.assignment.items()), self.default_bits
+        """The slots whose bits differ from what the default gives them: a plan that writes
+        out every tensor at its floor (the first plan of a memory target) is the default's
+        state, and the graphs compiled under the default serve it instead of being compiled
+        again (a step spent compiling is also one a memory target cannot measure)."""
+        floors, default = self._floors, self.default_bits
+        return sorted(
+            (slot, bits) for slot, bits in self.assignment.items()
+            if bits is EXACT or max(bits, floors.get(slot, bits)) != max(default, floors.get(slot, default))
+        ), default
 
     def update(
         self, variance: Mapping[str, Mapping[int, float]], slots: Mapping[str, SlotInfo]
@@ -250,7 +260,7 @@ class AllocatedBits(BitPolicy):
         """
         free = {k: s for k, s in slots.items() if k in variance and not self.pins_bits(s)}
         sizes = {k: (s.numel, s.groups, s.element_bits) for k, s in free.items()}
-        floors = {k: s.min_bits for k, s in free.items()}
+        floors = self._floors = {k: s.min_bits for k, s in free.items()}
         self.assignment = allocate_storage(variance, sizes, self.allowance(sizes, floors), self.candidates, floors)
         return self.assignment
 

@@ -10,10 +10,12 @@ within the storage the target leaves, closed loop on the peak each step measures
    this batch (:attr:`Verdict.UNREACHABLE`), from the first step on: the peak it is judged
    by counts the optimizer state the step allocated as held from its start, as it is in
    every later step (:meth:`~lightning_act.monitor.StepPeakMemory.lasting_peak_bytes`). A
-   step that compiles is not judged (the compiler's own allocations are in it). The first
-   step allocates what later steps keep (the optimizer's state, gradients held through the
-   next forward), so its peak understates theirs: the plan moves from the second step's
-   peak on.
+   step that compiles holds the compiler's own allocations besides the plan's: over the
+   target it is not judged, but counts as run (:meth:`TargetBits.skip`); under it, the plan's
+   own peak is lower still, and the room it leaves is safe to move into. The first step allocates what later steps keep (the
+   optimizer's state, gradients held through the next forward), so its peak understates
+   theirs: the plan moves from the second step's peak on, measured or not (compiled, the
+   second step is the first measured one).
 2. After a step under the target, the tensors may use ``(aim - measured) / slope`` more bytes
    than that step's plan used (where that is ``MIN_MOVE_SHARE`` more or better). In eager
    mode a stored byte more raises the peak by at most one byte (slope one): the records are at most all alive at once at the peak, and a tensor
@@ -202,7 +204,8 @@ class TargetBits(AllocatedBits):
         self.slope = 1.0
         #: New plans still allowed (None: any number; ``COMPILED_PLANS`` for a compiled model).
         self.plans_left: int | None = None
-        self._measured_steps = 0
+        # Steps run since the start or a restart, measured or not.
+        self._steps = 0
         self._measured_total = 0.0
         # The least storage (bits) a step was measured over the target with: no plan goes back
         # to it, so a plan does not swing between over and under (None: none was over).
@@ -240,7 +243,7 @@ class TargetBits(AllocatedBits):
         self._measured_storage = {}
         self._measured_all_exact = self._over = False
         self._fitting = None
-        self._measured_steps = 0
+        self._steps = 0
         self._measured_total = 0.0
         self._ceiling = None
         self._stalled = self._moving = False
@@ -261,7 +264,7 @@ class TargetBits(AllocatedBits):
         self._over = peak_bytes > self.target_bytes
         if not self._over:
             self._fitting = dict(self.assignment), peak_bytes
-        self._measured_steps += 1
+        self._steps += 1
         self._moving = False
         self._measured_storage, self._measured_total = storage_by_slot, storage
         floor = sum(storage_bits(s.min_bits, s.numel, s.groups, s.element_bits) for s in free.values())
@@ -272,13 +275,18 @@ class TargetBits(AllocatedBits):
             return Verdict.MOVE
         if peak_bytes > self.target_bytes:
             return Verdict.UNREACHABLE
-        if self._measured_steps < 2 or self._stalled:
+        if self._steps < 2 or self._stalled:
             return Verdict.FITS
         room = AIM * self.target_bytes - peak_bytes
         if storage < exact and room > 0 and 8 * room / self.slope >= MIN_MOVE_SHARE * storage:
             self._moving = True
             return Verdict.MOVE
         return Verdict.FITS
+
+    def skip(self) -> None:
+        """A step whose peak is not the plan's (it compiled): not measured, but run, so the
+        next step is not taken for a first step that understates the ones after it."""
+        self._steps += 1
 
     @property
     def all_exact_fits(self) -> bool:
@@ -330,7 +338,7 @@ class TargetBits(AllocatedBits):
         return self.assignment
 
     def allowance(self, sizes: Mapping[str, tuple[int, int, int]], floors: Mapping[str, int]) -> float:
-        if self._measured_steps < 2:
+        if self._steps < 2 or self.measured_peak is None:
             return 0.0  # every tensor at its cheapest
         used = sum(self._measured_storage.get(k, storage_bits(floors.get(k, 1), *size)) for k, size in sizes.items())
         room = AIM * self.target_bytes - self.measured_peak
