@@ -550,7 +550,7 @@ class ActCompression(Callback):
             planned = dict(self.policy.assignment)
             assignment = self.policy.update(self.sensitivity, self.capture.slots) if trainer.is_global_zero else None
             self.policy.assignment = dict(trainer.strategy.broadcast(assignment, src=0))
-            if self.policy.assignment != planned:
+            if self.policy.differing(self.policy.assignment) != self.policy.differing(planned):
                 rank_zero_info(
                     f"lightning_act: step {trainer.global_step} peaked at {peak / MIB:.1f} MiB against memory_target "
                     f"{self.policy.target_bytes / MIB:.1f} MiB; the plan moves to {_per_width(self.policy.assignment)} "

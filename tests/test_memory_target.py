@@ -119,6 +119,11 @@ def test_every_tensor_at_its_floor_written_out_is_the_state_of_no_plan():
     policy.update({}, slots)
     assert policy.assignment["m0#0"] == 8 and len(policy.assignment) == len(slots)
     assert policy.choices_state() == before
+    compiled = TargetBits(10 * MIB)
+    compiled.follow_compiled()
+    compiled.observe(2 * MIB, slots)  # a first step that compiled, under the target: measured
+    compiled.update({}, slots)  # a recalibration's plan, every tensor at its floor
+    assert compiled.plans_left == COMPILED_PLANS  # not a plan: nothing to compile
     policy.assignment = {**policy.assignment, "m1#0": 4}
     assert policy.choices_state() != before
     policy.assignment = {**policy.assignment, "m1#0": EXACT}

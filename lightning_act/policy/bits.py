@@ -238,15 +238,20 @@ class AllocatedBits(BitPolicy):
         return self.assignment.get(slot, self.default_bits)
 
     def choices_state(self) -> object:
-        """The slots whose bits differ from what the default gives them: a plan that writes
-        out every tensor at its floor (the first plan of a memory target) is the default's
-        state, and the graphs compiled under the default serve it instead of being compiled
-        again (a step spent compiling is also one a memory target cannot measure)."""
+        """The plan's choices (:meth:`differing`): a plan that writes out every tensor at its
+        floor (the first plan of a memory target) is the default's state, and the graphs
+        compiled under the default serve it instead of being compiled again (a step spent
+        compiling is also one a memory target cannot always measure)."""
+        return self.differing(self.assignment), self.default_bits
+
+    def differing(self, assignment: Mapping[str, int | None]) -> list[tuple[str, int | None]]:
+        """The slots of ``assignment`` whose bits differ from what the default gives them,
+        sorted: two assignments with the same are the same plan."""
         floors, default = self._floors, self.default_bits
         return sorted(
-            (slot, bits) for slot, bits in self.assignment.items()
+            (slot, bits) for slot, bits in assignment.items()
             if bits is EXACT or max(bits, floors.get(slot, bits)) != max(default, floors.get(slot, default))
-        ), default
+        )
 
     def update(
         self, variance: Mapping[str, Mapping[int, float]], slots: Mapping[str, SlotInfo]

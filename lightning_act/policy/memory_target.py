@@ -317,9 +317,10 @@ class TargetBits(AllocatedBits):
         self._moving = False  # moved: a recalibration before the next step adds nothing more
         # A move that changed nothing stalls the loop until a step goes over the target; a
         # recalibration's new sensitivities give the room a fresh chance.
-        self._stalled = moving and assignment == planned
-        if self.plans_left and assignment != planned and self.measured_peak is not None:
-            self.plans_left -= 1  # a move: the floor's plan, before any measured step, is not one
+        changed = self.differing(assignment) != self.differing(planned)
+        self._stalled = moving and not changed
+        if self.plans_left and changed and self.measured_peak is not None:
+            self.plans_left -= 1  # a move: the floor's plan written out is none
         if self.measured_peak is not None:
             after = sum(self._storage(k, slots[k]) for k in self._measured_storage if k in slots)
             self.predicted_peak = self.measured_peak + int(self.slope * (after - before) // 8)
