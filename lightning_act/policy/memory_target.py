@@ -11,11 +11,11 @@ within the storage the target leaves, closed loop on the peak each step measures
    by counts the optimizer state the step allocated as held from its start, as it is in
    every later step (:meth:`~lightning_act.monitor.StepPeakMemory.lasting_peak_bytes`). A
    step that compiles holds the compiler's own allocations besides the plan's: over the
-   target it is not judged, but counts as run (:meth:`TargetBits.skip`); under it, the plan's
-   own peak is lower still, and the room it leaves is safe to move into. The first step allocates what later steps keep (the
-   optimizer's state, gradients held through the next forward), so its peak understates
-   theirs: the plan moves from the second step's peak on, measured or not (compiled, the
-   second step is the first measured one).
+   target it is not judged, but counts as run (:meth:`TargetBits.skip`); under it, the
+   plan's own peak is lower still, and the room it leaves is safe to move into. The first
+   step allocates what later steps keep (the optimizer's state, gradients held through the
+   next forward), so its peak understates theirs: the plan moves from the second step's
+   peak on.
 2. After a step under the target, the tensors may use ``(aim - measured) / slope`` more bytes
    than that step's plan used (where that is ``MIN_MOVE_SHARE`` more or better). In eager
    mode a stored byte more raises the peak by at most one byte (slope one): the records are at most all alive at once at the peak, and a tensor
