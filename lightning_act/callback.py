@@ -535,14 +535,9 @@ class ActCompression(Callback):
         figures = {f"{LOG_PREFIX}/memory_target_mib": self.policy.target_bytes / MIB}
         if self.policy.predicted_peak is not None:
             figures[f"{LOG_PREFIX}/predicted_peak_mib"] = self.policy.predicted_peak / MIB
-        if self.capture.compiled_in_session and lasting > self.policy.target_bytes:
-            # Compiling allocates in the step it happens in (inductor's constants, autotuning
-            # buffers): over the target, that step's peak may not be the plan's, and the next
-            # one measures it. Under it, the plan's own peak is lower still: the room it
-            # leaves is safe to move into, a step sooner.
-            self.policy.skip()
-            return figures
-        verdict = self.policy.observe(lasting, self.capture.slots)
+        # Compiling allocates in the step it happens in (inductor's constants, autotuning
+        # buffers): over the target, such a step's peak may not be the plan's.
+        verdict = self.policy.observe(lasting, self.capture.slots, compiled=self.capture.compiled_in_session)
         if verdict is Verdict.UNREACHABLE:
             self.policy.restart()  # a batch-size search goes on with a smaller batch
             raise MemoryTargetError(self._unreachable(trainer, pl_module, batch, report, peak, lasting))

@@ -94,10 +94,7 @@ class MemoryTarget:
         if self.last_peak_bytes is None:
             return  # not measurable here
         lasting = self.meter.lasting_peak_bytes()
-        if self.capture.compiled_in_session and lasting > self.policy.target_bytes:
-            self.policy.skip()  # the compiler's own allocations may be what is over
-            return
-        verdict = self.policy.observe(lasting, self.capture.slots)
+        verdict = self.policy.observe(lasting, self.capture.slots, compiled=self.capture.compiled_in_session)
         if verdict is Verdict.UNREACHABLE:
             self.policy.restart()  # a smaller batch next is measured afresh
             raise MemoryTargetError(self._unreachable(inputs, lasting))

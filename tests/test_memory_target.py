@@ -137,7 +137,7 @@ def test_a_step_that_compiled_counts_as_run_so_the_next_measured_one_can_move():
     slots = _slots()
     policy = TargetBits(4 * MIB)
     policy.follow_compiled()
-    policy.skip()
+    assert policy.observe(5 * MIB, slots, compiled=True) is Verdict.UNMEASURED
     assert policy.observe(2 * MIB, slots) is Verdict.MOVE
     fresh = TargetBits(4 * MIB)
     assert fresh.observe(2 * MIB, slots) is Verdict.FITS  # a first step: it understates
@@ -383,11 +383,16 @@ def test_callback_holds_every_step_under_the_target():
     assert any(bits != 1 for bits in act.policy.assignment.values())
 
 
-
 class _Compiled(_Peaks):
+    """Each step's peak, and whether it compiled."""
+
+    def __init__(self, act):
+        super().__init__(act)
+        self.compiled = []
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self.compiled = getattr(self, "compiled", []) + [self.act.capture.compiled_in_session]
+        self.compiled.append(self.act.capture.compiled_in_session)
 
 
 @pytest.mark.slow  # compiles three plans: 30 s

@@ -11,7 +11,7 @@ within the storage the target leaves, closed loop on the peak each step measures
    by counts the optimizer state the step allocated as held from its start, as it is in
    every later step (:meth:`~lightning_act.monitor.StepPeakMemory.lasting_peak_bytes`). A
    step that compiles holds the compiler's own allocations besides the plan's: over the
-   target it is not judged, but counts as run (:meth:`TargetBits.skip`); under it, the
+   target it is not judged, but counts as run (:attr:`Verdict.UNMEASURED`); under it, the
    plan's own peak is lower still, and the room it leaves is safe to move into. The first
    step allocates what later steps keep (the optimizer's state, gradients held through the
    next forward), so its peak understates theirs: the plan moves from the second step's
@@ -162,6 +162,9 @@ class Verdict(enum.Enum):
     MOVE = "move"
     #: Over the target with every tensor at its floor.
     UNREACHABLE = "unreachable"
+    #: A step that compiled, over the target: the compiler's own allocations may be what is
+    #: over, so it is not judged (but counts as run).
+    UNMEASURED = "unmeasured"
 
 
 class TargetBits(AllocatedBits):
@@ -249,8 +252,12 @@ class TargetBits(AllocatedBits):
         self._stalled = self._moving = False
         self._planned_batch_bytes = None
 
-    def observe(self, peak_bytes: int, slots: Mapping[str, SlotInfo]) -> Verdict:
-        """Take the measured peak of a step run under the current plan."""
+    def observe(self, peak_bytes: int, slots: Mapping[str, SlotInfo], compiled: bool = False) -> Verdict:
+        """Take the measured peak of a step run under the current plan; ``compiled``: the step
+        compiled graphs (see the module)."""
+        if compiled and peak_bytes > self.target_bytes:
+            self._steps += 1  # run, so the next step is not taken for a first one
+            return Verdict.UNMEASURED
         free = self._free(slots)
         storage_by_slot = {k: self._storage(k, s) for k, s in free.items()}
         storage = sum(storage_by_slot.values())
@@ -282,11 +289,6 @@ class TargetBits(AllocatedBits):
             self._moving = True
             return Verdict.MOVE
         return Verdict.FITS
-
-    def skip(self) -> None:
-        """A step whose peak is not the plan's (it compiled): not measured, but run, so the
-        next step is not taken for a first step that understates the ones after it."""
-        self._steps += 1
 
     @property
     def all_exact_fits(self) -> bool:
