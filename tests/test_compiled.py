@@ -20,6 +20,7 @@ from torch._dynamo.utils import counters
 
 from lightning_act import ActCompression, ActivationCapture, CompressionConfig, compress_activations
 from lightning_act.backward_reads import Use, graph_reads
+from lightning_act.capture import OUTSIDE_MODULES
 from lightning_act.capture.compiled import Plan
 from lightning_act.policy import EXACT, BitPolicy, FixedBits
 from tests.test_reliability import MLP, act_of, rel_err, seeded, trainer
@@ -549,6 +550,43 @@ class Propagate(nn.Module):
         return torch.zeros(self.nodes, 16).scatter_add(0, target, messages)
 
 
+class _OwnOps(nn.Module):
+    """A layer, then ops of the model's own forward, outside any of its modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) * x.sin()
+
+
+@pytest.mark.parametrize("compiled", ["wrapper", "in place", "function"])
+def test_a_graph_names_the_saves_outside_the_models_modules_as_eager_does(compiled):
+    """By the module whose call compiled the graph (the model, through ``torch.compile``'s
+    wrapper or compiled in place), or as outside modules for a compiled function called
+    outside them; not by a name of the graph's own, which no eager report has."""
+    model = seeded(_OwnOps)
+    x = torch.randn(32, 64)
+    if compiled == "function":
+        head = torch.compile(lambda h: torch.tanh(h) * h.sin(), backend="aot_eager")
+        runs = [(model, lambda x: torch.tanh(model.fc(x)) * model.fc(x).sin()), (model, lambda x: head(model.fc(x)))]
+    elif compiled == "wrapper":
+        runs = [(model, model), (model, torch.compile(model, backend="aot_eager"))]
+    else:
+        in_place = seeded(_OwnOps)
+        in_place.compile(backend="aot_eager")
+        runs = [(model, model), (in_place, in_place)]
+    names = []
+    for module, run in runs:  # eager, then compiled
+        with compress_activations(module, inputs=x, bits=2, min_numel=1) as capture:
+            loss = run(x).sum()
+        loss.backward()
+        names.append({name for name, memory in capture.report.modules.items() if memory.compressed})
+    expected = OUTSIDE_MODULES if compiled == "function" else "_OwnOps"
+    assert names[0] == names[1] == {expected}, names
+
+
 def test_an_index_a_compiled_graph_saves_is_stored_in_fewer_bits_exactly():
     from lightning_act.capture.compiled import index_bound
 
@@ -563,9 +601,9 @@ def test_an_index_a_compiled_graph_saves_is_stored_in_fewer_bits_exactly():
     with compress_activations(model, inputs=x, bits=8, min_numel=1) as capture:
         loss = run(x, edge_index.clone()).square().sum()  # a copy: not the batch, stored
     loss.backward()
-    memory = capture.report.modules["(compiled)"]  # the index, and tanh's output at 8 bits
+    memory = capture.report.modules["Propagate"]  # the index, and tanh's output at 8 bits
     assert memory.outcomes == {"lossless": 1, "compressed": 1} and "index" in memory.codecs
-    quantized = [slot for slot in capture.report.slots.values() if slot.module == "(compiled)"]
+    quantized = [slot for slot in capture.report.slots.values() if slot.module == "Propagate"]
     # Values within -300 .. 299 (h[index] takes negative ones): 16-bit codes for 64-bit values
     assert memory.saved_bytes - sum(slot.saved_bytes for slot in quantized) == edge_index.numel() * 8
     assert memory.stored_bytes - sum(slot.stored_bytes for slot in quantized) == edge_index.numel() * 2
@@ -1189,7 +1227,7 @@ def test_a_tensor_a_graph_compares_only_with_constants_is_stored_as_its_cells():
             loss = run(x)
         loss.backward()
         assert torch.equal(model.weight.grad, exact)
-        memory = capture.report.modules["(compiled)"]
+        memory = capture.report.modules["Clipped"]
         assert memory.outcomes["lossless"] == 1 and memory.codecs == {"cells"}
         cells = memory.stored_bytes - 64 * 256 * 4  # the other save (the log's input, divided by) kept
         assert cells in (64 * 256 * 2 // 8, 64 * 256 * 3 // 8)
@@ -1281,7 +1319,7 @@ def test_a_compiled_max_aggregation_saves_its_equality_outcomes_and_stores_no_mo
     run = torch.compile(model, backend="inductor")
     compiled, _ = step(model, run, x, y, bits=2)
     assert compiled.stored_bytes <= eager.stored_bytes, (compiled.summary(), eager.summary())
-    assert compiled.modules["(compiled)"].outcomes["lossless"] >= 2, compiled.summary()
+    assert compiled.modules["MaxAggregation"].outcomes["lossless"] >= 2, compiled.summary()
     exact = exact_grads(model, model, x, y)
     _, grads = step(model, run, x, y, bits=8)
     assert rel_err(grads, exact) < 1e-2

@@ -64,10 +64,7 @@ from lightning_act.policy import SlotInfo
 if TYPE_CHECKING:
     from lightning_act.capture.engine import ActivationCapture
 
-__all__ = ["COMPILED_REGION", "CheaperSaves", "GraphHooks", "GraphPlan", "NativeSaves", "PackedSave", "SeedStream"]
-
-#: Module name of saves with no ``nn_module_stack`` (functional code in a compiled region).
-COMPILED_REGION = "(compiled)"
+__all__ = ["CheaperSaves", "GraphHooks", "GraphPlan", "NativeSaves", "PackedSave", "SeedStream"]
 
 _EAGER, _KEPT, _PACKED = "eager", "kept", "packed"
 

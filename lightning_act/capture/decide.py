@@ -649,23 +649,33 @@ class _Unkeyed(Exception):
 
 def _argument_key(value, same: dict[int, int]):
     def tensor_key(t: torch.Tensor) -> tuple:
-        index = same.setdefault(id(t), len(same))
-        if t.layout is not torch.strided or t.is_nested:
-            return index, t.dtype, t.layout, t.requires_grad
-        node = t.grad_fn
-        # A tensor no view or cast made, and no parameter, is none in disguise: told without
-        # the look at its history (most arguments of most calls).
-        if (t._base is None and (type(t) is torch.Tensor or not _is_parameter(t))
-                and (node is None or node.name() not in _VIEW_OR_CAST_NODES)):
-            disguised = False
-        else:
-            disguised = source_parameter(t)[0] is not None
-        return index, t.dtype, t.shape, t.stride(), t.requires_grad, node is None, disguised, t.device
+        return _tensor_key(t, same.setdefault(id(t), len(same)))
 
-    def unknown(other):
-        raise _Unkeyed
+    return arguments_key(value, tensor_key, _unkeyed)
 
-    return arguments_key(value, tensor_key, unknown)
+
+def _unkeyed(other):
+    raise _Unkeyed
+
+
+def _tensor_key(t: torch.Tensor, index: int) -> tuple:
+    """One tensor argument of a call, for :func:`call_key`: ``index`` numbers the distinct
+    tensors of the call, so that one tensor passed twice is told from two alike."""
+    if t.is_nested or t.layout is not torch.strided:
+        return index, t.dtype, t.layout, t.requires_grad
+    base = t._base
+    kind = type(t)
+    if base is None and kind is not torch.Tensor and _is_parameter(t):
+        # A parameter itself (most tensor arguments of layers): a leaf with no history to walk.
+        return index, t.dtype, t.shape, t.stride(), t.requires_grad, True, True, t.device
+    node = t.grad_fn
+    # A tensor no view or cast made, and no parameter, is none in disguise: told without
+    # the look at its history (most arguments of most calls).
+    if base is None and (node is None or node.name() not in _VIEW_OR_CAST_NODES):
+        disguised = False
+    else:
+        disguised = source_parameter(t)[0] is not None
+    return index, t.dtype, t.shape, t.stride(), t.requires_grad, node is None, disguised, t.device
 
 
 def _normalizes_short_rows(call: TrackedCall) -> bool:

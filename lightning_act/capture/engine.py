@@ -37,6 +37,7 @@ import torch._functorch.config as functorch_config
 from torch import nn
 from torch._C._dynamo.eval_frame import get_eval_frame_callback, set_code_exec_strategy
 from torch._dynamo import trace_rules
+from torch._dynamo.eval_frame import OptimizedModule
 from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -45,7 +46,6 @@ from lightning_act.capture import compiled as compiled_module
 from lightning_act.capture.active import CAPTURING, capturing_now, splitmix64
 from lightning_act.capture import decide as decide_module
 from lightning_act.capture.compiled import (
-    COMPILED_REGION,
     CheaperSaves,
     GraphHooks,
     NativeSaves,
@@ -375,13 +375,15 @@ class ActivationCapture:
 
     def module_name(self, qualname: str | None) -> str:
         """The report's name of a module a compiled graph names relative to the compiled
-        module (``layer1.0.conv1``): the model's module whose name ends with it, where one does."""
-        if qualname is None:
-            return COMPILED_REGION
+        module (``layer1.0.conv1``): the model's module whose name ends with it, where one does.
+        A node outside the compiled module's modules (None, or ``""``: the compiled module
+        itself) is named as eager names its saves: by the module whose call is compiling."""
+        if not qualname:
+            return self._stack[-1] if self._stack else OUTSIDE_MODULES
         known = self._qualnames.get(qualname)
         if known is None:
             names = {n for n in self._names.values() if n == qualname or n.endswith("." + qualname)}
-            known = self._qualnames[qualname] = names.pop() if len(names) == 1 else (qualname or COMPILED_REGION)
+            known = self._qualnames[qualname] = names.pop() if len(names) == 1 else qualname
         return known
 
     def compiling(self) -> None:
@@ -597,13 +599,23 @@ class ActivationCapture:
 
     # ----------------------------------------------------------------- module attribution
     def _enter_module(self, module: nn.Module) -> None:
-        self._stack.append(self._names.get(module) or type(module).__name__)
+        self._stack.append(self._names.get(module) or self._unnamed_module(module))
         if self.config.unfused_recurrent and isinstance(module, nn.RNNBase) and not self._paused:
             # The fused kernels are chosen by these switches as the forward runs; backward
             # follows what the forward built.
             self._fused_switches.append((module, torch._C._get_mkldnn_enabled(), torch._C._get_cudnn_enabled()))
             torch._C._set_mkldnn_enabled(False)
             torch._C._set_cudnn_enabled(False)
+
+    def _unnamed_module(self, module: nn.Module) -> str:
+        """The name of a module outside the model: ``torch.compile(model)``'s wrapper is the
+        model's (its graphs name their saves outside the model's modules by it, as eager
+        does), any other module its class's."""
+        if isinstance(module, OptimizedModule):
+            name = self._names.get(module._orig_mod)
+            if name is not None:
+                return name
+        return type(module).__name__
 
     def _leave_module(self, module: nn.Module, output: Any) -> None:
         if self._fused_switches and self._fused_switches[-1][0] is module:
@@ -622,30 +634,32 @@ class ActivationCapture:
         ref = table.get(ptr)
         return ref is not None and not _storage_expired(ref.cdata)
 
-    def _account(self, module: str, t: torch.Tensor, outcome: Outcome, stored: int, copied: bool = False
-                 ) -> ModuleMemory:
-        """Add one saved tensor to the report; its storage counts once however often saved.
-        ``copied``: a tensor its outcome keeps, kept as a copy of ``stored`` bytes instead."""
+    def _account(self, module: str, op: str | None, t: torch.Tensor, outcome: Outcome, stored: int,
+                 copied: bool = False) -> ModuleMemory:
+        """Add one saved tensor, saved by ``op`` in ``module``, to the report; its storage
+        counts once however often saved. ``copied``: a tensor its outcome keeps, kept as a
+        copy of ``stored`` bytes instead."""
         report = self.report
         key = outcome.key
-        report.counts[key] = report.counts.get(key, 0) + 1
+        counts = report.counts
+        counts[key] = counts.get(key, 0) + 1
         stats = report.modules.get(module)
         if stats is None:
             stats = report.modules[module] = ModuleMemory()
-        call = self._tracker.current_call()  # the op saving it: the same one _pack saw
-        stats.note(outcome, None if call is None else call.name)
+        stats.note(outcome, op)
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         # A weak reference is made only for a storage not seen yet: most saves share one.
-        if not self._live(self._saved_storages, ptr):
-            self._saved_storages[ptr] = StorageWeakRef(storage)
+        seen = self._saved_storages.get(ptr)
+        if seen is None or _storage_expired(seen.cdata):
+            self._saved_storages[ptr] = seen = StorageWeakRef(storage)
             nbytes = storage.nbytes()
             report.saved_bytes += nbytes
             stats.saved_bytes += nbytes
         if outcome.keeps_storage and not copied:
             if self._live(self._kept_storages, ptr):
                 return stats
-            self._kept_storages[ptr] = self._saved_storages[ptr]
+            self._kept_storages[ptr] = seen
             stored = storage.nbytes()
         elif outcome.encodes:
             stats.compressed += 1
@@ -706,31 +720,34 @@ class ActivationCapture:
         if kind is Kind.RECOMPUTE:
             return self._store_recomputed(t, call, decision, module, ptr)
         if kind is Kind.PARAMETER or kind is Kind.EXTERNAL:
-            self._count_uncounted(Outcome.PARAMETER if kind is Kind.PARAMETER else Outcome.EXTERNAL)
+            counts, key = self.report.counts, (Outcome.PARAMETER if kind is Kind.PARAMETER else Outcome.EXTERNAL).key
+            counts[key] = counts.get(key, 0) + 1
             return t.detach()
         if kind is Kind.RECAST_WEIGHT:
-            self._account(module, t, Outcome.RECAST, 0)
+            self._account(module, op, t, Outcome.RECAST, 0)
             return RecastWeight(decision.parameter, t)
         if kind is Kind.CAST_PARAMETER:
-            self._account(module, t, Outcome.KEPT, 0)
+            self._account(module, op, t, Outcome.KEPT, 0)
             return t.detach()
         key, region = self._sharing_key(t, ptr, decision)
         shared = self._shared_copy(key, t, module, op, decision)
         if shared is not None:
-            self._account(module, t, Outcome.DEDUPLICATED, 0)
+            self._account(module, op, t, Outcome.DEDUPLICATED, 0)
             return shared
         if kind is Kind.KEEP or kind is Kind.STATISTIC:
-            self._account(module, t, Outcome.KEPT if kind is Kind.KEEP else Outcome.STATISTIC, 0)
+            self._account(module, op, t, Outcome.KEPT if kind is Kind.KEEP else Outcome.STATISTIC, 0)
             kept = t.detach()
-            self._share(key, region, t, t, kept, module, op, decision)  # later saves need no copy
+            self._share(key, region, t, t, kept, decision, None)  # later saves need no copy
             return kept
         dense = decision.layout.dense(t)
         _hold_until_read(t)
         if kind is Kind.QUANTIZE:
-            saved = self._store(t, dense, decision, module, op)
+            terms = self._terms_of(module, op, decision)
+            saved = self._store(t, dense, decision, module, op, terms.codec)
         else:
-            saved = self._store_lossless(t, dense, decision, module)
-        self._share(key, region, t, dense, saved, module, op, decision)
+            terms = None
+            saved = self._store_lossless(t, dense, decision, module, op)
+        self._share(key, region, t, dense, saved, decision, terms)
         return saved
 
     # ----------------------------------------------------------------- one copy for many saves
@@ -783,18 +800,18 @@ class ActivationCapture:
         t: torch.Tensor,
         dense: torch.Tensor,
         saved: Any,
-        module: str,
-        op: str | None,
         decision: Decision,
+        terms: _Terms | None,
     ) -> None:
-        """Offer what was stored for ``t`` to the later saves of the same tensor."""
+        """Offer what was stored for ``t`` to the later saves of the same tensor; ``terms``:
+        those of a rounded copy (:meth:`_terms_of`)."""
         # A copy guarantees its floor and rule, not the policy's bits, so which saves share a
         # copy is the same under any policy and in probes. Masks, indices and kept tensors
         # are exact. A pooled copy serves the saves of its own view, as pooling is the
         # method chosen for every save alike.
         if decision.kind is not Kind.QUANTIZE:
             view_guaranteed = run_guaranteed = math.inf
-        elif (terms := self._terms_of(module, op, decision)).codec.unbiased:
+        elif terms.codec.unbiased:
             view_guaranteed = run_guaranteed = terms.needed
         else:  # a pooled copy has lost detail other ops may need: it guarantees them nothing
             view_guaranteed, run_guaranteed = math.inf, 0.0
@@ -905,9 +922,9 @@ class ActivationCapture:
             if arrived and all(kind in _EXACT_KINDS for _, kind in partners):
                 stored = saved.settle([record for record, _ in partners])
             if stored is None:
-                self._account(module, t, Outcome.KEPT, 0)
+                self._account(module, call.name, t, Outcome.KEPT, 0)
             else:
-                self._account(module, t, Outcome.LOSSLESS, stored).codecs.add(MaskCodec.name)
+                self._account(module, call.name, t, Outcome.LOSSLESS, stored).codecs.add(MaskCodec.name)
             return True
 
         if last >= call.saves - 1:  # a partner saved after this tensor
@@ -959,10 +976,11 @@ class ActivationCapture:
              and saved.recomputation.recompute.target is recompute.target),
             None,
         ) or Recomputation(recompute, inputs)
-        self._account(module, t, Outcome.RECOMPUTED, 0)
+        self._account(module, call.name, t, Outcome.RECOMPUTED, 0)
         return RecomputedOutput(recomputation, recompute.output, t)
 
-    def _store_lossless(self, t: torch.Tensor, dense: torch.Tensor, decision: Decision, module: str) -> Compressed:
+    def _store_lossless(self, t: torch.Tensor, dense: torch.Tensor, decision: Decision, module: str, op: str | None
+                        ) -> Compressed:
         """A mask or indices, stored exactly in fewer bits."""
         kind = decision.kind
         if kind is Kind.INDEX:
@@ -975,15 +993,16 @@ class ActivationCapture:
         else:
             record = self._mask_codec.pack(dense, 0, 0)
         name = kind.value if kind is Kind.CELLS else record.codec  # the cells' indices, by what they are
-        self._account(module, t, Outcome.LOSSLESS, record.nbytes).codecs.add(name)
+        self._account(module, op, t, Outcome.LOSSLESS, record.nbytes).codecs.add(name)
         return Compressed(record, decision.layout, decision.cells)
 
-    def _store(self, t: torch.Tensor, dense: torch.Tensor, decision: Decision, module: str, op: str | None) -> Any:
-        """A floating-point tensor: its slot, then its codec and bits from the rules and policy."""
+    def _store(self, t: torch.Tensor, dense: torch.Tensor, decision: Decision, module: str, op: str | None,
+               codec: GroupQuantCodec | DivisionCodec | PoolCodec) -> Any:
+        """A floating-point tensor in its slot, by ``codec`` (the rules' or the default) at
+        the bits the rules and policy give it."""
         layout = laid_out = decision.layout
         kept_copy = dense  # what an exact slot keeps where ``t`` is a view of a larger storage
         slot = self._next_slot(module)
-        codec = self._terms_of(module, op, decision).codec
         if decision.row_layout is not None and isinstance(codec, GroupQuantCodec):
             # A normalisation's rows laid out for the quantizer's groups.
             layout = decision.row_layout
@@ -1023,7 +1042,7 @@ class ActivationCapture:
             probe_codec = codec if isinstance(codec, GroupQuantCodec) else self._codecs["quant"]
             if not self.policy.pins_bits(info):  # a rule decides its bits: nothing to measure
                 self._probe.add(slot, dense.detach(), probe_codec, group_axis)
-            self._account(module, t, Outcome.EXACT, 0)
+            self._account(module, op, t, Outcome.EXACT, 0)
             return Compressed(ProbeRecord(self._probe, slot, dense.detach(), probe_codec, group_axis), layout,
                               restorer)
         dense_bytes = layout.numel * dense.element_size()  # without the padding of rows
@@ -1033,12 +1052,12 @@ class ActivationCapture:
         seed = splitmix64(self._seed + self._packs) >> 1
         record = codec.pack(dense, bits, seed) if group_axis is None else codec.pack(dense, bits, seed, group_axis)
         if isinstance(record, StoredTensor):  # a shape the codec does not compress (pool on 2-D)
-            self._account(module, t, Outcome.KEPT, 0)
+            self._account(module, op, t, Outcome.KEPT, 0)
             return t.detach()
         self._stats.append(record.stats)
         if self.estimator is not None and isinstance(codec, (GroupQuantCodec, DivisionCodec)):
             self.estimator.observe_stats(slot, module, record.stats, bits, codec.group_size)
-        memory = self._account(module, t, Outcome.COMPRESSED, record.nbytes)
+        memory = self._account(module, op, t, Outcome.COMPRESSED, record.nbytes)
         memory.bits.add(bits)
         memory.codecs.add(record.codec)
         self.report.slots[slot] = plan.memory_of(bits, dense_bytes, record.nbytes, record.codec)
@@ -1054,13 +1073,13 @@ class ActivationCapture:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if storage.nbytes() <= dense_bytes or self._live(self._kept_storages, ptr):
-            memory = self._account(module, t, Outcome.EXACT, 0)
+            memory = self._account(module, op, t, Outcome.EXACT, 0)
             saved = t.detach()
         else:
             # ``dense`` is ``t``'s values in memory order: a view of the storage where they
             # are one run of it (a third of ``qkv`` split along its first axis), else a copy.
             copy = dense.clone() if dense.untyped_storage().data_ptr() == ptr else dense
-            memory = self._account(module, t, Outcome.EXACT, dense_bytes, copied=True)
+            memory = self._account(module, op, t, Outcome.EXACT, dense_bytes, copied=True)
             saved = Compressed(KeptRecord(copy.detach()), layout)
         memory.bits.add(None)
         self.report.slots[slot] = SlotMemory(module, tuple(t.shape), None, dense_bytes, dense_bytes, "stored", op)
