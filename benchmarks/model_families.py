@@ -5,7 +5,8 @@ criterion by criterion. This sweep runs more of each library's families the same
 configs, random weights, the same batches), to find what the suite's models do not show: a
 crash, a NaN, a gradient error far from its family's. HF causal LMs (OPT, GPT-NeoX, Mistral,
 Phi, Qwen2, Gemma, Falcon, GPT-J, Bloom, GPT-2, Mamba), encoders (RoBERTa, ELECTRA, DistilBERT, ALBERT,
-DeBERTa-v2) and vision models (ViT, DeiT, ConvNeXt, ResNet); timm CNNs, ViTs and MLPs; PyG
+DeBERTa-v2), vision models (ViT, DeiT, ConvNeXt, ResNet), speech (Whisper, Wav2Vec2 with CTC), CLIP and
+Segformer; torchvision's RegNet; timm CNNs, ViTs and MLPs; PyG
 convolutions (GraphConv, Cheb, EdgeConv, GAT, APPNP, SGConv, GCN2, PNA), each with a
 BatchNorm between its layers; ``torch.nn`` RNNs and an ``LSTMCell`` loop.
 
@@ -121,6 +122,75 @@ def hf_model(data: Path, kind: str, task: str) -> Workload:
     return Workload(model, _seeded(lambda: model(input_ids=x, labels=y).loss), (x, y))
 
 
+def hf_whisper(data: Path) -> Workload:
+    """Speech to text: a convolutional stem over log-mel features, an encoder and a decoder
+    with cross-attention; the features are random, the labels Tiny Shakespeare's bytes."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    config = WhisperConfig(vocab_size=256, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                           decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
+                           max_source_positions=32, max_target_positions=64, pad_token_id=0, bos_token_id=1,
+                           eos_token_id=2, decoder_start_token_id=1, attn_implementation="sdpa")
+    model = WhisperForConditionalGeneration(config).train()
+    features = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(0))
+    labels = shakespeare_bytes(data, batch=4, length=24)[:, 1:].contiguous()
+    return Workload(model, _seeded(lambda: model(input_features=features, labels=labels).loss), (features, labels))
+
+
+def hf_wav2vec2_ctc(data: Path) -> Workload:
+    """Speech recognition: a convolutional feature extractor over raw audio (random here),
+    a transformer with dropout on its attention, and the CTC loss."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    config = Wav2Vec2Config(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=128, conv_dim=(32, 32, 32), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3),
+                            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, pad_token_id=0,
+                            ctc_loss_reduction="mean", do_stable_layer_norm=True, feat_extract_norm="layer",
+                            mask_time_prob=0.0)
+    model = Wav2Vec2ForCTC(config).train()
+    generator = torch.Generator().manual_seed(0)
+    audio = torch.randn(4, 4000, generator=generator)
+    labels = torch.randint(1, 32, (4, 12), generator=generator)
+    return Workload(model, _seeded(lambda: model(input_values=audio, labels=labels).loss), (audio, labels))
+
+
+def hf_clip(data: Path) -> Workload:
+    """Contrastive image-text training: a ViT and a text transformer, CIFAR-10 images against
+    Tiny Shakespeare lines, the loss over the batch's similarity matrix."""
+    from transformers import CLIPConfig, CLIPModel
+
+    layers = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    config = CLIPConfig(text_config=dict(vocab_size=256, max_position_embeddings=64, **layers),
+                        vision_config=dict(image_size=32, patch_size=4, **layers), projection_dim=32)
+    model = CLIPModel(config).train()
+    images, _ = cifar_images(data, 16)
+    text = shakespeare_bytes(data, batch=16, length=31)
+    return Workload(model, _seeded(lambda: model(input_ids=text, pixel_values=images, return_loss=True).loss),
+                    (images, text))
+
+
+def hf_segformer(data: Path) -> Workload:
+    """Semantic segmentation: overlapping patch merging, attention over a reduced sequence,
+    depthwise convolutions, and an upsampled per-pixel loss (four brightness bands)."""
+    from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+    config = SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                             patch_sizes=[3, 3], strides=[2, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+                             decoder_hidden_size=32, num_labels=4)
+    model = SegformerForSemanticSegmentation(config).train()
+    images, _ = cifar_images(data, 8)
+    labels = (images.mean(1) * 2).clamp(-1.99, 1.99).add(2).long()
+    return Workload(model, _seeded(lambda: model(pixel_values=images, labels=labels).loss), (images, labels))
+
+
+def torchvision_regnet(data: Path) -> Workload:
+    import torchvision
+
+    model = torchvision.models.regnet_y_400mf(num_classes=10).train()
+    x, y = cifar_images(data, 16)
+    return Workload(model, _seeded(lambda: F.cross_entropy(model(x), y)), (x, y))
+
+
 class GraphFamily(nn.Module):
     """Two PyG layers of one family with dropout, a BatchNorm and a ReLU between them."""
 
@@ -222,6 +292,11 @@ FAMILIES = {
     **{f"timm_{arch}": _case("timm", timm_model, arch, 8, **kwargs) for arch, kwargs in _TIMM.items()},
     **{f"pyg_{conv}": _case("torch_geometric", graph_family, conv) for conv in _GRAPH_FAMILIES},
     **{f"torch_{cell}": _case("torch.nn", byte_rnn, cell) for cell in ("rnn_tanh", "rnn_relu", "bilstm", "lstmcell")},
+    "hf_whisper": _case("transformers", hf_whisper),
+    "hf_wav2vec2_ctc": _case("transformers", hf_wav2vec2_ctc),
+    "hf_clip": _case("transformers", hf_clip),
+    "hf_segformer": _case("transformers", hf_segformer),
+    "torchvision_regnet_y_400mf": _case("torchvision", torchvision_regnet),
 }
 CASES.update(FAMILIES)
 
@@ -251,7 +326,8 @@ def main() -> None:
         else:
             missed = [f for f in failures(m) if "closer than one seed" not in f]  # its own seeds: printed
             rows[name] = {"error_8bit": m.error_8bit, "error_2bit": m.error_2bit, "unbiased_ratio": m.unbiased_ratio,
-                          "kept_ratio": m.kept_ratio, "peak_ratio": m.peak_ratio, "missed": missed}
+                          "kept_ratio": m.kept_ratio, "peak_ratio": m.peak_ratio, "stored_bytes": m.stored_bytes,
+                          "missed": missed}
             print(f"{name:28s} 8-bit {m.error_8bit:.4f}  2-bit {m.error_2bit:.3f}  mean of {args.seeds} "
                   f"{m.unbiased_ratio:.2f}x closer  kept {m.kept_ratio:5.2f}x  peak {m.peak_ratio:.3f}  "
                   f"{time.perf_counter() - started:4.0f} s  {'; '.join(missed)}", flush=True)

@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 from lightning_act import ActCompression, ActivationCapture, CompressionConfig, compress_activations
 from lightning_act.backward_reads import Use, graph_reads
 from lightning_act.capture import OUTSIDE_MODULES
-from lightning_act.capture.compiled import Plan
+from lightning_act.capture.compiled import COMPILED_REGION, Plan
 from lightning_act.policy import EXACT, BitPolicy, FixedBits
 from tests.test_reliability import MLP, act_of, rel_err, seeded, trainer
 
@@ -585,6 +585,21 @@ def test_a_graph_names_the_saves_outside_the_models_modules_as_eager_does(compil
         names.append({name for name, memory in capture.report.modules.items() if memory.compressed})
     expected = OUTSIDE_MODULES if compiled == "function" else "_OwnOps"
     assert names[0] == names[1] == {expected}, names
+
+
+def test_a_graph_that_may_serve_several_modules_of_a_class_names_its_own_saves_by_none_of_them():
+    """Two blocks of one class, each compiled in place: Dynamo guards on the class, so the
+    graph compiled for the first block's call may run the second's too, and naming its saves
+    by the block that compiled it would count the other block's saves as that one's."""
+    model = seeded(lambda: nn.Sequential(_OwnOps(), _OwnOps()))
+    x = torch.randn(32, 64)
+    for block in model:
+        block.compile(backend="aot_eager")
+    with compress_activations(model, inputs=x, bits=2, min_numel=1) as capture:
+        loss = model(x).sum()
+    loss.backward()
+    named = {name: memory.compressed for name, memory in capture.report.modules.items() if memory.compressed}
+    assert named[COMPILED_REGION] == 2 and not {"0", "1"} & named.keys(), named  # each block's tanh output
 
 
 def test_an_index_a_compiled_graph_saves_is_stored_in_fewer_bits_exactly():

@@ -516,6 +516,21 @@ def test_a_softmax_over_rows_shorter_than_a_group_keeps_its_output_exact(compile
     assert capture.report.counts.get("kept") == 1  # the probabilities; before, all 8 float saves rounded
 
 
+def test_the_attention_probabilities_of_the_math_kernel_are_a_softmaxs_output_as_in_a_graph():
+    """``scaled_dot_product_attention`` with dropout runs its math kernel on the CPU, whose
+    softmax is ``_safe_softmax``: the probabilities it saves inside the call get a softmax
+    output's floor (8 bits, the hand rule over the analysis's 4) in eager as in a compiled
+    graph. Eager missed it (compiled HF Wav2Vec2 stored 1.20x eager's bytes, at 8 bits
+    where eager stored 4)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 16, requires_grad=True) for _ in range(3))
+    capture = ActivationCapture(CompressionConfig(bits=2, min_numel=1))
+    with capture.capturing():
+        F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, dropout_p=0.1)
+    bits = sorted(slot.bits for slot in capture.report.slots.values() if slot.shape == (2, 4, 64, 64))
+    assert bits == [2, 8], bits  # the probabilities at 8, after dropout read linearly at 2
+
+
 @pytest.mark.parametrize("cell", [pytest.param(nn.GRU, marks=pytest.mark.slow), nn.LSTM, nn.RNN])  # GRU: 1.5 s
 def test_recurrent_calls_are_read_as_the_trace_of_a_short_sequence_reads_them(cell):
     """Recurrent calls are not traced (the trace grows with the sequence): their float saves

@@ -64,7 +64,11 @@ from lightning_act.policy import SlotInfo
 if TYPE_CHECKING:
     from lightning_act.capture.engine import ActivationCapture
 
-__all__ = ["CheaperSaves", "GraphHooks", "GraphPlan", "NativeSaves", "PackedSave", "SeedStream"]
+__all__ = ["COMPILED_REGION", "CheaperSaves", "GraphHooks", "GraphPlan", "NativeSaves", "PackedSave", "SeedStream"]
+
+#: Module name of the saves of a compiled module's own forward (outside its modules) where
+#: the graph may serve several modules of one class.
+COMPILED_REGION = "(compiled)"
 
 _EAGER, _KEPT, _PACKED = "eager", "kept", "packed"
 

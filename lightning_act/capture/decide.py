@@ -697,12 +697,17 @@ def _normalizes_short_rows(call: TrackedCall) -> bool:
     return row is not None and row < MIN_GROUP_SIZE
 
 
+#: The autograd nodes of :data:`SOFTMAX_OPS` (``_safe_softmax``: the attention of
+#: ``scaled_dot_product_attention``'s math kernel, which runs with dropout on the CPU).
+_SOFTMAX_NODES = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
+
+
 def _softmax_row(t: torch.Tensor) -> int | None:
     """The length of the rows a softmax normalised, where ``t`` is its result; read off the
     autograd node that made ``t``, so that a softmax inside a composite call (multi-head
     attention, a masked softmin) is found as well as a call of its own."""
     node = t.grad_fn
-    if node is None or node.name() != "SoftmaxBackward0":
+    if node is None or node.name() not in _SOFTMAX_NODES:
         return None
     if not t.dim():
         return 1

@@ -16,6 +16,7 @@ hands each tensor to :meth:`ActivationCapture._pack` here.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -46,6 +47,7 @@ from lightning_act.capture import compiled as compiled_module
 from lightning_act.capture.active import CAPTURING, capturing_now, splitmix64
 from lightning_act.capture import decide as decide_module
 from lightning_act.capture.compiled import (
+    COMPILED_REGION,
     CheaperSaves,
     GraphHooks,
     NativeSaves,
@@ -217,6 +219,12 @@ class ActivationCapture:
                 # named as in the module the user compiled.
                 name = ".".join(part for part in name.split(".") if part != "_orig_mod")
                 self._names[module] = name or type(module).__name__
+        # The model's modules of a class it has more of: one compiled graph may serve the
+        # calls of all of them, so its saves cannot be named by one. Wrappers that
+        # ``torch.compile`` made are left out: each bears the name of the module it wraps.
+        modules = [m for m in self._modules if not isinstance(m, OptimizedModule)]
+        classes = collections.Counter(type(module) for module in modules)
+        self._shared_class_names = {self._names[m] for m in modules if classes[type(m)] > 1}
         self.chooses_group_axes = self.config.group_order == "auto"
         #: Every slot seen so far, with what the policy needs to allocate bits to it.
         self.slots: dict[str, SlotInfo] = {}
@@ -377,9 +385,11 @@ class ActivationCapture:
         """The report's name of a module a compiled graph names relative to the compiled
         module (``layer1.0.conv1``): the model's module whose name ends with it, where one does.
         A node outside the compiled module's modules (None, or ``""``: the compiled module
-        itself) is named as eager names its saves: by the module whose call is compiling."""
+        itself) is named as eager names its saves, by the module whose call is compiling,
+        unless the graph may serve other modules of its class too."""
         if not qualname:
-            return self._stack[-1] if self._stack else OUTSIDE_MODULES
+            name = self._stack[-1] if self._stack else OUTSIDE_MODULES
+            return COMPILED_REGION if name in self._shared_class_names else name
         known = self._qualnames.get(qualname)
         if known is None:
             names = {n for n in self._names.values() if n == qualname or n.endswith("." + qualname)}
