@@ -730,8 +730,7 @@ class ActivationCapture:
         if kind is Kind.RECOMPUTE:
             return self._store_recomputed(t, call, decision, module, ptr)
         if kind is Kind.PARAMETER or kind is Kind.EXTERNAL:
-            counts, key = self.report.counts, (Outcome.PARAMETER if kind is Kind.PARAMETER else Outcome.EXTERNAL).key
-            counts[key] = counts.get(key, 0) + 1
+            self._count_uncounted(Outcome.PARAMETER if kind is Kind.PARAMETER else Outcome.EXTERNAL)
             return t.detach()
         if kind is Kind.RECAST_WEIGHT:
             self._account(module, op, t, Outcome.RECAST, 0)
