@@ -313,6 +313,7 @@ def main() -> None:
         parser.error(f"unknown cases {unknown}; allowed: {', '.join(FAMILIES)}")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
+    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"model_families_{'compiled' if args.compiled else 'eager'}_cpu.json"
     rows = json.loads(path.read_text())["cases"] if path.exists() else {}
     command = " ".join(["python", *sys.argv])

@@ -76,7 +76,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Collection, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.fx as fx
@@ -86,7 +86,13 @@ from lightning_act import ops
 from lightning_act.codecs.quant import QuantizedTensor
 from lightning_act.optrack import arguments_key
 
-__all__ = ["ATTENTION_MASK", "Match", "PointwiseDerivative", "Read", "Use", "call_reads", "classify", "graph_reads"]
+__all__ = ["ATTENTION_MASK", "STATISTIC_RATIO", "Match", "PointwiseDerivative", "Read", "Use", "call_reads",
+           "classify", "graph_reads", "size_hint"]
+
+#: A float tensor an op computed that holds at least this many times fewer values than the
+#: op's largest activation argument is a reduction statistic (LayerNorm's mean and 1 / std,
+#: attention's logsumexp): kept exact (see :mod:`lightning_act.capture.decide`).
+STATISTIC_RATIO = 8
 
 
 class Use(enum.IntEnum):
@@ -384,12 +390,23 @@ class _Walk:
                 continue
             seen.add(current)
             if current in self.saves.all:
-                if current not in skipped:
+                if current not in skipped and not (rounded_alike and self._reduces_target(current)):
                     return True
                 continue
             if not _is_marker(current):
                 stack.extend(current.all_input_nodes)
         return False
+
+    def _reduces_target(self, save: fx.Node) -> bool:
+        """Whether ``save`` holds at least ``STATISTIC_RATIO`` times fewer values than the
+        target: a reduction (a maximum, a log-sum) that the capture keeps exact, as a
+        statistic or, read as ``exp(x - s)`` beside the larger target, as singular itself.
+        ``exp(x - max - log)`` (a log-softmax's backward where a compiled graph saves its
+        input) then rounds only ``x``, as a softmax's output is rounded."""
+        small, large = save.meta.get("val"), self.target.meta.get("val")
+        if not isinstance(small, torch.Tensor) or not isinstance(large, torch.Tensor):
+            return False
+        return size_hint(large.numel()) >= STATISTIC_RATIO * size_hint(small.numel())
 
     def _exponent_adds_another_save(self, exponent: Any) -> bool:
         """Whether ``exponent`` (through views, negation and scaling) adds what the target
@@ -1013,26 +1030,41 @@ class PointwiseDerivative:
 
     def _inverse_grid(self, device: torch.device) -> _Grid:
         ends, intercepts, slopes = self._line_table()
-        grid = torch.linspace(ends[0].item(), ends[-1].item(), _GRID + 1, dtype=torch.float64)
-        piece = torch.searchsorted(ends, grid).clamp_(1, ends.numel() - 1)
-        return _Grid.through(grid, intercepts[piece] + slopes[piece] * grid, device)
+
+        def inverse(h: torch.Tensor) -> torch.Tensor:
+            piece = torch.searchsorted(ends, h).clamp_(1, ends.numel() - 1)
+            return intercepts[piece] + slopes[piece] * h
+
+        low = ends[0].item()
+        grid = _Grid.empty(low, (ends[-1].item() - low) / _GRID)
+        for pieces, values in _on_grid(inverse, grid):
+            grid.fill(pieces, values)
+        return grid.to(device)
 
     def _smooth_grid(self, device: torch.device) -> _Grid | None:
         """``h`` on a grid uniform over the searched interval, if interpolating it is exact
         to 1e-6 of its span at every piece's middle and it keeps its ends' values beyond
         (None where it has a kink or a jump: Hardswish's, ELU's)."""
-        xs = torch.linspace(-_BRANCH_HALF_WIDTH, _BRANCH_HALF_WIDTH, _GRID + 1, dtype=torch.float64)
-        middles = (xs[1:] + xs[:-1]) / 2
-        far = torch.tensor([-1e6, 1e6], dtype=torch.float64)
         one = torch.ones((), dtype=torch.float64)
+
+        def h(x: torch.Tensor) -> torch.Tensor:
+            return self._h(x, one).double()
+
+        grid = _Grid.empty(-_BRANCH_HALF_WIDTH, 2 * _BRANCH_HALF_WIDTH / _GRID, exact=True)
+        ends = torch.tensor([-_BRANCH_HALF_WIDTH, _BRANCH_HALF_WIDTH], dtype=torch.float64)
+        far = torch.tensor([-1e6, 1e6], dtype=torch.float64)
         with torch.no_grad():
-            hs, at_middles, beyond = (self._h(v, one).double() for v in (xs, middles, far))
-        span = (hs.max() - hs.min()).item()
-        error = max((at_middles - (hs[1:] + hs[:-1]) / 2).abs().max().item(),
-                    (beyond - hs[[0, -1]]).abs().max().item())
-        if not error <= 1e-6 * span:  # NaN included
+            errors, lows, highs = [(h(far) - h(ends)).abs().max()], [], []
+            for pieces, values in _on_grid(h, grid):
+                grid.fill(pieces, values)
+                at_middles = h(_grid_points(pieces.start, pieces.stop, grid.low + grid.step / 2, grid.step))
+                errors.append((at_middles - (values[1:] + values[:-1]) / 2).abs().max())
+                lows.append(values.min())
+                highs.append(values.max())
+        span = (torch.stack(highs).max() - torch.stack(lows).min()).item()
+        if not torch.stack(errors).max().item() <= 1e-6 * span:  # NaN included
             return None
-        return _shared(("store", device, _digest(hs)), lambda: _Grid.through(xs, hs, device, exact=True))
+        return _shared(("store", device, _digest(grid.starts, grid.slopes)), lambda: grid.to(device))
 
     def _line_table(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The table's ends and, for the piece ending at each, the line ``x = a + b h`` through
@@ -1068,7 +1100,7 @@ def _shared(key: tuple, make: Callable[[], Any]) -> Any:
 
 
 def _digest(*tables: torch.Tensor) -> bytes:
-    """What identifies tables (CPU, float64) by their values."""
+    """What identifies tables (on the CPU) by their values."""
     digest = hashlib.blake2b(digest_size=16)
     for table in tables:
         digest.update(str(table.numel()).encode())
@@ -1091,11 +1123,18 @@ class _Grid(NamedTuple):
     exact: bool = False
 
     @staticmethod
-    def through(grid: torch.Tensor, values: torch.Tensor, device: torch.device, exact: bool = False) -> _Grid:
-        """The grid of ``values`` at the points of ``grid`` (uniform, float64)."""
-        step = ((grid[-1] - grid[0]) / (grid.numel() - 1)).item()
-        return _Grid(grid[0].item(), step, values[:-1].to(device, torch.float32),
-                     values.diff().to(device, torch.float32), exact)
+    def empty(low: float, step: float, exact: bool = False) -> _Grid:
+        """A grid from ``low`` in steps of ``step`` (on the CPU), for :meth:`fill`."""
+        starts, slopes = (torch.empty(_GRID, dtype=torch.float32) for _ in range(2))
+        return _Grid(low, step, starts, slopes, exact)
+
+    def fill(self, pieces: slice, values: torch.Tensor) -> None:
+        """Set ``pieces`` from the function's values at their ends (float64)."""
+        self.starts[pieces] = values[:-1]
+        self.slopes[pieces] = values.diff()
+
+    def to(self, device: torch.device) -> _Grid:
+        return self._replace(starts=self.starts.to(device), slopes=self.slopes.to(device))
 
     def __call__(self, v: torch.Tensor) -> torch.Tensor:
         """The function at every value of ``v`` (float32)."""
@@ -1109,6 +1148,25 @@ class _Grid(NamedTuple):
         else:
             fraction = position.sub_(piece)
         return self.starts.index_select(0, piece).addcmul_(self.slopes.index_select(0, piece), fraction)
+
+
+# Grid points a table is computed at at once: a table is made at a step's first store or
+# decode, and computed whole, its temporaries (the points, the pieces they fall in, the lines
+# read there) came to five times the table, 2.5 MiB at that step's peak.
+_GRID_CHUNK = 1 << 12
+
+
+def _grid_points(first: int, last: int, low: float, step: float) -> torch.Tensor:
+    """Points ``first`` to ``last - 1`` of the uniform grid ``low + j * step`` (float64)."""
+    return torch.arange(first, last, dtype=torch.float64).mul_(step).add_(low)
+
+
+def _on_grid(h: Callable[[torch.Tensor], torch.Tensor], grid: _Grid) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``h`` at the points of ``grid`` (float64), a chunk of pieces at a time: each chunk's
+    pieces and ``h`` at their ends (the last one the next chunk's first)."""
+    for first in range(0, _GRID, _GRID_CHUNK):
+        last = min(first + _GRID_CHUNK, _GRID)
+        yield slice(first, last), h(_grid_points(first, last + 1, grid.low, grid.step))
 
 
 # The derivative is evaluated and inverted a chunk at a time, so that the temporaries (the
@@ -1853,6 +1911,13 @@ def _read_graph(backward: fx.Graph, forward: fx.Graph | None) -> dict[str, Read]
                    and _name(made_by[name].target) in _NONNEGATIVE},
                   {n for name, n in saved.items() if name in made_by and made_by[name].op == "placeholder"})
     return {name: classify(n, tangents, saves, compiled=True) for name, n in saved.items()}
+
+
+def size_hint(value: Any) -> int:
+    """A size, symbolic or not, as traced (1 where a symbolic one has no hint)."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    return optimization_hint(value, fallback=1)
 
 
 def _decomposed(backward: fx.Graph, placeholders: list[fx.Node]) -> fx.Graph | None:

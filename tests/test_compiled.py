@@ -1594,12 +1594,17 @@ def test_a_compiled_softplus_divides_by_one_plus_its_saved_exp_without_keeping_a
 
 
 def test_an_exponent_that_subtracts_another_save_is_singular_and_one_that_adds_a_parameter_is_not():
-    """``exp(x - logsumexp)`` reads two rounded values each far larger than their difference
-    (a compiled log-softmax saves its input, max and log-sum): exact. ``exp(x + bias)`` (a
-    parameter, never rounded) and ``exp(A * dt)`` (a product) are smooth."""
-    x, lse, bias, g = torch.randn(16, 64), torch.randn(16, 1), torch.randn(64), torch.randn(16, 64)
-    reads = read_in_a_compiled_backward(lambda x, lse, g: g * (x - lse).exp(), x, lse, g)
+    """``exp(x - y)`` with both saves rounded reads two values each far larger than their
+    difference: exact. Less a row's statistic (a compiled log-softmax saves its input, max
+    and log-sum), the statistic is kept and only ``x`` is rounded, as a softmax's output:
+    smooth. ``exp(x + bias)`` (a parameter, never rounded) and ``exp(A * dt)`` (a product)
+    are smooth."""
+    x, y, g = torch.randn(16, 64), torch.randn(16, 64), torch.randn(16, 64)
+    lse, bias = torch.randn(16, 1), torch.randn(64)
+    reads = read_in_a_compiled_backward(lambda x, y, g: g * (x - y).exp(), x, y, g)
     assert [r.use for r in reads] == [Use.SINGULAR, Use.SINGULAR]
+    reads = read_in_a_compiled_backward(lambda x, lse, g: g * (x - lse).exp(), x, lse, g)
+    assert [r.use for r in reads] == [Use.SMOOTH, Use.SINGULAR]
     read_x, read_bias = read_in_a_compiled_backward(lambda x, b, g: g * (x + b).exp(), x, bias, g,
                                                     inputs_of_forward=[1])
     assert read_x.use is Use.SMOOTH

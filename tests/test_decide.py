@@ -580,7 +580,8 @@ def test_one_byte_buffers_without_a_bound_are_kept_as_they_are():
         (lambda a, b: b.pow(-0.5), ["keep"]),
         (lambda a, b: b.sqrt(), ["keep"]),  # its output: backward grad / (2 out)
         (lambda a, b: 2.0**b, [1, 1]),  # its output: backward log(2) out, linear
-        (lambda a, b: torch.logsumexp(b, 1), ["keep", "statistic"]),  # exp(x - result)
+        # exp(x - result), both rounded: their difference far smaller than either
+        (lambda a, b: torch.logcumsumexp(b, 1), ["keep", "keep"]),
         (lambda a, b: a * b, [1, 1]),
     ],
 )
@@ -588,6 +589,14 @@ def test_saves_backward_divides_by_or_takes_roots_of_are_kept_exact(func, kinds)
     a, b = grad_input(64, 64), torch.rand(64, 64, requires_grad=True) + 0.5
     decisions = saves_of(func, a, b)
     assert [d.kind.value if d.kind in (Kind.KEEP, Kind.STATISTIC) else d.min_bits for d in decisions] == kinds
+
+
+def test_an_input_read_through_its_exponent_less_a_statistic_is_rounded_as_a_softmaxs_output():
+    """logsumexp's backward reads ``exp(x - result)``: the result, a row's statistic, is kept
+    exact, so only ``x`` is rounded, once, as a softmax's output is: the nonlinear floor."""
+    x = torch.randn(64, 64, requires_grad=True)
+    decisions = saves_of(lambda a, b: torch.logsumexp(b, 1), grad_input(64, 64), x)
+    assert [d.kind.value if d.kind is Kind.STATISTIC else d.min_bits for d in decisions] == [8, "statistic"]
 
 
 def test_minus_infinity_read_through_an_exponential_is_put_back():

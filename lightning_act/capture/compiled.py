@@ -51,9 +51,18 @@ from torch._dynamo.eval_frame import skip_code
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_act import ops
-from lightning_act.backward_reads import PointwiseDerivative, Read, Use, graph_reads, in_fresh_thread, is_tangent
+from lightning_act.backward_reads import (
+    STATISTIC_RATIO,
+    PointwiseDerivative,
+    Read,
+    Use,
+    graph_reads,
+    in_fresh_thread,
+    is_tangent,
+    size_hint,
+)
 from lightning_act.capture.active import capturing_now, splitmix64
-from lightning_act.capture.decide import SOFTMAX_OPS, STATISTIC_RATIO, Decision, Kind, ThresholdCells, decide_saved_node
+from lightning_act.capture.decide import SOFTMAX_OPS, Decision, Kind, ThresholdCells, decide_saved_node
 from lightning_act.capture.group_order import candidate_axes
 from lightning_act.capture.records import unpack as unpack_eager
 from lightning_act.capture.report import Outcome, ReportDelta, SlotMemory
@@ -865,7 +874,7 @@ def _saves_cost(forward: fx.GraphModule, backward: fx.GraphModule, capture: Acti
             cost = max(bits, decision.min_bits)
         else:
             cost = val.element_size() * 8
-        total += _hint(val.numel()) * cost
+        total += size_hint(val.numel()) * cost
         if cost > bits:
             results |= _recomputed_results(placeholder, computed)
             outcomes |= _outcomes(placeholder, gradient_free)
@@ -997,12 +1006,12 @@ def softmax_row(node: fx.Node) -> int | None:
         return 1
     if _name_of(source.target) in SOFTMAX_OPS:  # the op itself, not a piece of its decomposition
         dim = source.args[1] if len(source.args) > 1 else None
-        return _hint(val.shape[dim]) if isinstance(dim, int) else None
+        return size_hint(val.shape[dim]) if isinstance(dim, int) else None
     for argument in source.args[1:]:
         divisor = argument.meta.get("val") if isinstance(argument, fx.Node) else None
         if not isinstance(divisor, torch.Tensor) or divisor.dim() != val.dim():
             continue
-        reduced = [_hint(n) for n, m in zip(val.shape, divisor.shape) if _hint(m) == 1 and _hint(n) != 1]
+        reduced = [size_hint(n) for n, m in zip(val.shape, divisor.shape) if size_hint(m) == 1 and size_hint(n) != 1]
         if reduced:
             return math.prod(reduced)
         # ``_safe_softmax``'s last step, ``where(row all masked, zeros, exp / sum)``: its
@@ -1027,7 +1036,7 @@ def is_statistic(node: fx.Node) -> bool:
     source = first.meta.get("val") if first is not None else None
     if not isinstance(val, torch.Tensor) or not isinstance(source, torch.Tensor):
         return False
-    return _hint(source.numel()) >= STATISTIC_RATIO * _hint(val.numel())
+    return size_hint(source.numel()) >= STATISTIC_RATIO * size_hint(val.numel())
 
 
 def consumers(node: fx.Node) -> dict[str, tuple]:
@@ -1171,8 +1180,8 @@ def _hinted(val: Any) -> Any:
     sizes under ``dynamic=True`` would guard on them, and recompile for every batch size."""
     if not isinstance(val, torch.Tensor) or val.layout != torch.strided or val.is_nested:
         return val
-    size = [_hint(s) for s in val.shape]
-    stride = [_hint(s) for s in val.stride()]
+    size = [size_hint(s) for s in val.shape]
+    stride = [size_hint(s) for s in val.stride()]
     return torch.empty_strided(size, stride, dtype=val.dtype, device="meta")
 
 
@@ -1217,7 +1226,7 @@ class GraphPlan:
             plans[node.name], outcome = self._plan(node)
             val = node.meta.get("val")
             if plans[node.name] is None and isinstance(val, torch.Tensor):
-                kept.append((self._module(node), _hint(val.numel()) * val.element_size(), outcome.value,
+                kept.append((self._module(node), size_hint(val.numel()) * val.element_size(), outcome.value,
                              self._exact_slots.get(node.name)))
         first = next((name for name, plan in plans.items() if plan is not None), None)
         if first is not None:
@@ -1272,7 +1281,7 @@ class GraphPlan:
         capture.slots[slot] = info
         bits = capture.policy.bits_for(slot, info)
         if bits is None:  # a rule or the policy says so
-            if _hint(node.meta["val"].untyped_storage().nbytes()) > numel * val.element_size():
+            if size_hint(node.meta["val"].untyped_storage().nbytes()) > numel * val.element_size():
                 # A view of part of a storage (an attention's value, a third of ``qkv``): kept
                 # as it is, it would hold all of ``qkv``; as eager does, a copy of its own.
                 return Plan("copy", 0, 0, module, slot, op, decision.min_bits), Outcome.EXACT
@@ -1327,9 +1336,3 @@ def _encode_plan(plan: Plan | None) -> str | None:
     if "\\" in text or '"' in text or not text.isascii():
         return _BASE64 + base64.b64encode(text.encode()).decode()
     return text
-
-
-def _hint(value: Any) -> int:
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-    return optimization_hint(value, fallback=1)

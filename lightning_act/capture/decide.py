@@ -120,7 +120,16 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from lightning_act.backward_reads import ATTENTION_MASK, Match, PointwiseDerivative, Read, Recompute, Use, call_reads
+from lightning_act.backward_reads import (
+    ATTENTION_MASK,
+    STATISTIC_RATIO,
+    Match,
+    PointwiseDerivative,
+    Read,
+    Recompute,
+    Use,
+    call_reads,
+)
 from lightning_act.capture.records import Layout
 from lightning_act.codecs.exact import INDEX_DTYPES, MaskCodec
 from lightning_act.ops.validation import FLOAT_DTYPES, MIN_GROUP_SIZE
@@ -139,7 +148,6 @@ __all__ = [
     "MinusInfinityStandIn",
     "Kind",
     "LONG_CHANNEL",
-    "STATISTIC_RATIO",
     "Normalized",
     "SaveSite",
     "decide",
@@ -225,7 +233,7 @@ _ROW_FACTOR_HISTORY = 8  # autograd nodes searched from the factor back to x
 # A statistic is an output of the op itself: its autograd history, if any, starts at the
 # op's inputs. The per-step gates and states that a recurrent op computes step by step (their
 # history runs through the earlier steps), each one step's share of its input, are activations.
-STATISTIC_RATIO = 8
+# (The ratio, STATISTIC_RATIO, is the analysis's too: what ``exp(x - s)`` rounds twice.)
 
 # _OPAQUE_BYTES: a one-byte integer tensor with no bound its op implies is kept as it is.
 # Such tensors are byte buffers that an op lays out for itself (oneDNN's RNN workspace on the
