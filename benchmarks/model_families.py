@@ -15,6 +15,11 @@ mean of k seeds is sqrt(k) closer than one seed for an unbiased gradient: 2.83 f
 
     python benchmarks/model_families.py                      # eager, every family
     python benchmarks/model_families.py --compiled hf_bloom  # compiled with inductor
+    python benchmarks/model_families.py --first-steps 3 --compiled hf_whisper hf_clip
+
+``--first-steps N`` measures instead the peak of each of a fresh model's first ``N`` steps
+in one process (no warm-up: a compiled model compiles in its first), without compression
+and at 2 bits: compression must not raise any of them, the first included.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_act import ActivationCapture, CompressionConfig
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_libraries import (  # noqa: E402
     CASES,
@@ -38,11 +45,13 @@ from model_libraries import (  # noqa: E402
     _byte_class,
     _case,
     _seeded,
+    build,
     cifar_images,
     cora,
     failures,
     measure,
     shakespeare_bytes,
+    step_memory,
     timm_model,
 )
 
@@ -300,11 +309,28 @@ FAMILIES = {
 }
 CASES.update(FAMILIES)
 
+
+def first_step_peaks(name: str, data: Path, steps: int, compiled: bool) -> dict[str, list[int]]:
+    """The peak of each of the first ``steps`` steps of a fresh model (and a fresh compile),
+    without compression and with every saved tensor at 2 bits."""
+    peaks = {}
+    for method in ("none", "act_2bit"):
+        torch._dynamo.reset()
+        workload = build(name, data)
+        if compiled:
+            workload.model.compile(backend="inductor")
+        capture = None if method == "none" else ActivationCapture(CompressionConfig(bits=2), workload.model)
+        peaks[method] = [step_memory(workload, capture)[1] for _ in range(steps)]
+    return peaks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cases", nargs="*", help=f"default: every family ({', '.join(FAMILIES)})")
     parser.add_argument("--compiled", action="store_true", help="each model under torch.compile (inductor)")
     parser.add_argument("--seeds", type=int, default=8)
+    parser.add_argument("--first-steps", type=int, default=0, metavar="N",
+                        help="the peaks of a fresh model's first N steps instead, none and 2 bits")
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
@@ -314,12 +340,19 @@ def main() -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"model_families_{'compiled' if args.compiled else 'eager'}_cpu.json"
+    mode = "compiled" if args.compiled else "eager"
+    path = args.out / f"model_families_{mode}{'_first_steps' if args.first_steps else ''}_cpu.json"
     rows = json.loads(path.read_text())["cases"] if path.exists() else {}
     command = " ".join(["python", *sys.argv])
     for name in args.cases or FAMILIES:
         started = time.perf_counter()
         try:
+            if args.first_steps:
+                rows[name] = first_step_peaks(name, args.data, args.first_steps, args.compiled)
+                print(f"{name:28s} peaks " + "; ".join(
+                    f"{method} " + ", ".join(f"{peak / 2**20:.2f}" for peak in rows[name][method])
+                    for method in ("none", "act_2bit")) + f" MiB  {time.perf_counter() - started:4.0f} s", flush=True)
+                continue
             m = measure(name, args.data, args.seeds, args.compiled)
         except Exception as error:  # noqa: BLE001 - recorded: a case that fails is a finding
             rows[name] = {"failed": f"{type(error).__name__}: {str(error)[:2000]}"}

@@ -1153,7 +1153,7 @@ class _Grid(NamedTuple):
 # Grid points a table is computed at at once: a table is made at a step's first store or
 # decode, and computed whole, its temporaries (the points, the pieces they fall in, the lines
 # read there) came to five times the table, 2.5 MiB at that step's peak.
-_GRID_CHUNK = 1 << 12
+_GRID_CHUNK = 1 << 10
 
 
 def _grid_points(first: int, last: int, low: float, step: float) -> torch.Tensor:
