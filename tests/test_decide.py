@@ -130,7 +130,8 @@ def test_normalisation_inputs_are_grouped_within_the_rows_they_normalise():
     assert row_groups(frames, call("rms_norm", frames, [64, 192])) == (None, None, None)  # 48 whole groups
     maps = torch.randn(4, 32, 6, 6)
     assert row_groups(maps, call("group_norm", maps, 8)) == (32, 144, 160)  # 4 channels of 36, padded
-    assert row_groups(maps, call("instance_norm", maps)) == (64, 36, 64)  # one 6x6 plane
+    # One 6x6 plane: shorter than SHORT_ROW, so at 8 bits, where smaller groups pay.
+    assert row_groups(maps, call("instance_norm", maps)) == (16, 36, 48)
     # BatchNorm's rows are its channels, laid out channel-major (4 samples of a 6x6 map),
     # unless each channel's map is whole groups already.
     channels = decided(maps, call("batch_norm", maps, None, None, training=True))
@@ -151,7 +152,7 @@ def test_normalisation_inputs_are_grouped_within_the_rows_they_normalise():
     assert decided(tokens, call("linear", tokens, torch.randn(8, 192))).row_group is None
 
 
-def test_inputs_of_a_normalisation_over_rows_get_four_bits_and_batch_norm_over_long_channels_none():
+def test_normalisation_inputs_get_four_bits_eight_over_short_rows_and_batch_norm_over_long_channels_none():
     tokens = torch.randn(8, 65, 192)
     assert decided(tokens, call("layer_norm", tokens, (192,))).min_bits == 4
     maps = torch.randn(4, 32, 6, 6)
@@ -164,6 +165,11 @@ def test_inputs_of_a_normalisation_over_rows_get_four_bits_and_batch_norm_over_l
     assert decided(long, call("batch_norm", long, None, None, training=True)).min_bits == 1
     shorter = torch.randn(16, 8, 8, 7)  # 896
     assert decided(shorter, call("batch_norm", shorter, None, None, training=True)).min_bits == 4
+    # Rows shorter than SHORT_ROW: the bias grows as they shorten, 8 bits.
+    narrow = torch.randn(8, 256, 16)  # a Segformer's first stage: 16 channels
+    assert decided(narrow, call("layer_norm", narrow, (16,))).min_bits == 8
+    small_maps = torch.randn(8, 16, 2, 2)  # 32 values a channel
+    assert decided(small_maps, call("batch_norm", small_maps, None, None, training=True)).min_bits == 8
     # What else a normalisation saves is not its input: its statistics, kept exact.
     saved = saves_of(F.layer_norm, grad_input(8, 65, 192), (192,))
     assert [d.kind for d in saved] == [Kind.QUANTIZE, Kind.STATISTIC, Kind.STATISTIC]
