@@ -310,7 +310,7 @@ FAMILIES = {
 CASES.update(FAMILIES)
 
 
-def first_step_peaks(name: str, data: Path, steps: int, compiled: bool) -> dict[str, list[int]]:
+def first_step_peaks(name: str, data: Path, steps: int, compiled: bool) -> dict:
     """The peak of each of the first ``steps`` steps of a fresh model (and a fresh compile),
     without compression and with every saved tensor at 2 bits."""
     peaks = {}
@@ -321,6 +321,7 @@ def first_step_peaks(name: str, data: Path, steps: int, compiled: bool) -> dict[
             workload.model.compile(backend="inductor")
         capture = None if method == "none" else ActivationCapture(CompressionConfig(bits=2), workload.model)
         peaks[method] = [step_memory(workload, capture)[1] for _ in range(steps)]
+    peaks["worst_over_none"] = max(peaks["act_2bit"]) / max(max(peaks["none"]), 1)
     return peaks
 
 
@@ -348,23 +349,24 @@ def main() -> None:
         started = time.perf_counter()
         try:
             if args.first_steps:
-                rows[name] = first_step_peaks(name, args.data, args.first_steps, args.compiled)
-                print(f"{name:28s} peaks " + "; ".join(
-                    f"{method} " + ", ".join(f"{peak / 2**20:.2f}" for peak in rows[name][method])
-                    for method in ("none", "act_2bit")) + f" MiB  {time.perf_counter() - started:4.0f} s", flush=True)
-                continue
-            m = measure(name, args.data, args.seeds, args.compiled)
+                row = first_step_peaks(name, args.data, args.first_steps, args.compiled)
+                line = "peaks " + "; ".join(f"{method} " + ", ".join(f"{peak / 2**20:.2f}" for peak in row[method])
+                                            for method in ("none", "act_2bit"))
+                line += f" MiB, worst 2-bit / worst none {row['worst_over_none']:.2f}"
+            else:
+                m = measure(name, args.data, args.seeds, args.compiled)
+                missed = [f for f in failures(m) if "closer than one seed" not in f]  # its own seeds: printed
+                row = {"error_8bit": m.error_8bit, "error_2bit": m.error_2bit, "unbiased_ratio": m.unbiased_ratio,
+                       "kept_ratio": m.kept_ratio, "peak_ratio": m.peak_ratio, "stored_bytes": m.stored_bytes,
+                       "missed": missed}
+                line = (f"8-bit {m.error_8bit:.4f}  2-bit {m.error_2bit:.3f}  mean of {args.seeds} "
+                        f"{m.unbiased_ratio:.2f}x closer  kept {m.kept_ratio:5.2f}x  peak {m.peak_ratio:.3f}  "
+                        + "; ".join(missed))
         except Exception as error:  # noqa: BLE001 - recorded: a case that fails is a finding
-            rows[name] = {"failed": f"{type(error).__name__}: {str(error)[:2000]}"}
-            print(f"{name:28s} failed: {rows[name]['failed'][:300]}", flush=True)
-        else:
-            missed = [f for f in failures(m) if "closer than one seed" not in f]  # its own seeds: printed
-            rows[name] = {"error_8bit": m.error_8bit, "error_2bit": m.error_2bit, "unbiased_ratio": m.unbiased_ratio,
-                          "kept_ratio": m.kept_ratio, "peak_ratio": m.peak_ratio, "stored_bytes": m.stored_bytes,
-                          "missed": missed}
-            print(f"{name:28s} 8-bit {m.error_8bit:.4f}  2-bit {m.error_2bit:.3f}  mean of {args.seeds} "
-                  f"{m.unbiased_ratio:.2f}x closer  kept {m.kept_ratio:5.2f}x  peak {m.peak_ratio:.3f}  "
-                  f"{time.perf_counter() - started:4.0f} s  {'; '.join(missed)}", flush=True)
+            row = {"failed": f"{type(error).__name__}: {str(error)[:2000]}"}
+            line = f"failed: {row['failed'][:300]}"
+        rows[name] = row
+        print(f"{name:28s} {line}  {time.perf_counter() - started:4.0f} s", flush=True)
         # Written after every case: a long sweep stopped midway keeps what it measured.
         path.write_text(json.dumps({"command": command, "torch": torch.__version__, "seeds": args.seeds,
                                     "date": time.strftime("%Y-%m-%d"), "cases": rows}, indent=1) + "\n")
