@@ -209,31 +209,44 @@ lookup_levels_op() {
   return op;
 }
 
-// The input a derivative save stands for, in memory order: PointwiseDerivative.restore_quantized
-// (lightning_act.backward_reads), op for op, so the values are Python's bit for bit: each
-// group's levels (ops.group_levels), put through the inverse a chunk at a time and written
-// over them, then read back by code (lookup_levels). At 8 bits a group has as many levels as
-// values: inverted whole, the table's temporaries (positions, pieces, two gathered lines)
-// would be four more copies of the tensor at once.
-at::Tensor decode_derivative(const Decoder& decoder, const at::Tensor& codes, const at::Tensor& stats, int64_t numel,
-                             at::ScalarType dtype) {
-  const Inverse& inverse = decoder.inverse;
-  const int64_t groups = stats.size(0), levels = int64_t{1} << decoder.bits, width = inverse.level_width;
-  const at::Tensor decoded = unpack_dequantize_op().call(inverse.level_codes.repeat({groups}), stats, decoder.bits,
-                                                         width, groups * width, dtype, 0, 0);
-  const at::Tensor table = decoded.view({groups, width}).narrow(1, 0, levels).contiguous().view(-1);
+// ``values`` (1-D) put through the inverse a chunk at a time and written over them:
+// PointwiseDerivative.restore (lightning_act.backward_reads), op for op and chunk for chunk, so
+// the values are Python's bit for bit. Whole, the temporaries (positions, pieces, two
+// gathered lines) would be four more copies of ``values`` at once.
+void invert_in_place(const Inverse& inverse, const at::Tensor& values) {
   const int64_t pieces = inverse.starts.numel();
   const double scale = inverse.step > 0 ? 1 / inverse.step : 0.0;
-  const int64_t total = table.numel();
+  const int64_t total = values.numel();
   const int64_t chunk = std::max(kMinChunk, (total + kMaxChunks - 1) / kMaxChunks);
   for (int64_t start = 0; start < total; start += chunk) {
-    at::Tensor target = table.narrow(0, start, std::min(chunk, total - start));
+    at::Tensor target = values.narrow(0, start, std::min(chunk, total - start));
     const at::Tensor h = target.to(at::kFloat);
     at::Tensor position = h.sub(inverse.low).mul_(scale).clamp_(0, pieces);
     const at::Tensor piece = position.to(at::kInt).clamp_(0, pieces - 1);
     const at::Tensor fraction = position.sub_(piece);
     target.copy_(inverse.starts.index_select(0, piece).addcmul_(inverse.slopes.index_select(0, piece), fraction));
   }
+}
+
+// The input a derivative save stands for, in memory order: PointwiseDerivative.restore_quantized
+// (lightning_act.backward_reads), op for op. Each group's levels (ops.group_levels) inverted
+// and read back by code (lookup_levels); where a group has at least as many levels as values
+// (8 bits in groups of 256), the decoded values inverted themselves, as many inversions
+// without a table of levels beside them.
+at::Tensor decode_derivative(const Decoder& decoder, const at::Tensor& codes, const at::Tensor& stats, int64_t numel,
+                             at::ScalarType dtype) {
+  const Inverse& inverse = decoder.inverse;
+  const int64_t groups = stats.size(0), levels = int64_t{1} << decoder.bits, width = inverse.level_width;
+  if (levels >= decoder.group_size) {
+    const at::Tensor values =
+        unpack_dequantize_op().call(codes, stats, decoder.bits, decoder.group_size, numel, dtype, 0, 0);
+    invert_in_place(inverse, values);
+    return values;
+  }
+  const at::Tensor decoded = unpack_dequantize_op().call(inverse.level_codes.repeat({groups}), stats, decoder.bits,
+                                                         width, groups * width, dtype, 0, 0);
+  const at::Tensor table = decoded.view({groups, width}).narrow(1, 0, levels).contiguous().view(-1);
+  invert_in_place(inverse, table);
   return lookup_levels_op().call(codes, table.view({groups, levels}), decoder.bits, decoder.group_size, numel);
 }
 

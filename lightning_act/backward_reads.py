@@ -1003,7 +1003,11 @@ class PointwiseDerivative:
         """:meth:`restore` of what :func:`~lightning_act.ops.unpack_dequantize` decodes from
         these codes, bit for bit, with the inverse taken once per level of each group
         (``2**bits`` values per group, not one per value) and read back by code: a lookup per
-        value instead of the grid's passes."""
+        value instead of the grid's passes. Where a group has at least as many levels as
+        values (8 bits in groups of 256), of the values themselves: a table of levels would
+        take as many inversions, and held beside the values it doubled the decode's memory."""
+        if 1 << bits >= group_size:
+            return self.restore(ops.unpack_dequantize(codes, stats, bits, group_size, numel, dtype))
         levels = self.restore(ops.group_levels(stats, bits, dtype).contiguous())
         return ops.lookup_levels(codes, levels, bits, group_size, numel)
 

@@ -48,8 +48,8 @@ import torch
 from torch._C import _len_torch_function_stack
 from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 
-__all__ = ["LOOK_UP", "OpTracker", "TrackedCall", "arguments_key", "autocast_state", "call_argument", "is_same_tensor",
-           "saved_index_range"]
+__all__ = ["LOOK_UP", "PLAIN_TYPES", "OpTracker", "TrackedCall", "arguments_key", "autocast_state", "call_argument",
+           "is_same_tensor", "saved_index_range"]
 
 #: :attr:`TrackedCall.reads` and ``key`` before the call's first save looks them up.
 LOOK_UP = object()
@@ -107,7 +107,8 @@ def autocast_state() -> tuple:
 
 
 _PLAIN_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
-_PLAIN_TYPES = frozenset(_PLAIN_VALUES)  # checked first: a set lookup, where isinstance walks the tuple
+#: The plain argument types, checked first: a set lookup, where isinstance walks the tuple.
+PLAIN_TYPES = frozenset(_PLAIN_VALUES)
 
 
 def arguments_key(value: Any, tensor_key: Callable[[torch.Tensor], Any], other_key: Callable[[Any], Any]) -> Any:
@@ -119,11 +120,11 @@ def arguments_key(value: Any, tensor_key: Callable[[torch.Tensor], Any], other_k
     kind = type(value)
     if kind is tuple:  # a call's positional arguments: most of them tensors and plain values
         return tuple([
-            tensor_key(v) if isinstance(v, torch.Tensor) else v if type(v) in _PLAIN_TYPES
+            tensor_key(v) if isinstance(v, torch.Tensor) else v if type(v) in PLAIN_TYPES
             else arguments_key(v, tensor_key, other_key)
             for v in value
         ])
-    if kind in _PLAIN_TYPES or isinstance(value, _PLAIN_VALUES):
+    if kind in PLAIN_TYPES or isinstance(value, _PLAIN_VALUES):
         return value
     if isinstance(value, (list, tuple)):
         return tuple([arguments_key(v, tensor_key, other_key) for v in value])

