@@ -71,9 +71,9 @@ from lightning_act.capture.records import (
     storage_region,
 )
 from lightning_act.capture.report import (
+    NO_BITS,
     OUTSIDE_MODULES,
     CompressionReport,
-    ModuleMemory,
     Outcome,
     ReportDelta,
     SlotMemory,
@@ -647,37 +647,25 @@ class ActivationCapture:
         return ref is not None and not _storage_expired(ref.cdata)
 
     def _account(self, module: str, op: str | None, t: torch.Tensor, outcome: Outcome, stored: int,
-                 copied: bool = False) -> ModuleMemory:
-        """Add one saved tensor, saved by ``op`` in ``module``, to the report; its storage
-        counts once however often saved. ``copied``: a tensor its outcome keeps, kept as a
-        copy of ``stored`` bytes instead."""
-        report = self.report
-        key = outcome.key
-        counts = report.counts
-        counts[key] = counts.get(key, 0) + 1
-        stats = report.modules.get(module)
-        if stats is None:
-            stats = report.modules[module] = ModuleMemory()
-        stats.note(outcome, op)
+                 copied: bool = False, bits: Any = NO_BITS, codec: str | None = None) -> None:
+        """Add one saved tensor, saved by ``op`` in ``module``, to the report, stored at ``bits``
+        (None: exact) by ``codec``; its storage counts once however often saved. ``copied``: a
+        tensor its outcome keeps, kept as a copy of ``stored`` bytes instead."""
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
+        saved = 0
         # A weak reference is made only for a storage not seen yet: most saves share one.
         seen = self._saved_storages.get(ptr)
         if seen is None or _storage_expired(seen.cdata):
             self._saved_storages[ptr] = seen = StorageWeakRef(storage)
-            nbytes = storage.nbytes()
-            report.saved_bytes += nbytes
-            stats.saved_bytes += nbytes
+            saved = storage.nbytes()
         if outcome.keeps_storage and not copied:
             if self._live(self._kept_storages, ptr):
-                return stats
-            self._kept_storages[ptr] = seen
-            stored = storage.nbytes()
-        elif outcome.encodes:
-            stats.compressed += 1
-        report.stored_bytes += stored
-        stats.stored_bytes += stored
-        return stats
+                stored = 0
+            else:
+                self._kept_storages[ptr] = seen
+                stored = storage.nbytes()
+        self.report.count(module, op, outcome, saved, stored, bits, codec)
 
     def _count_uncounted(self, outcome: Outcome) -> None:
         """Count a tensor that stays alive anyway: it is in neither byte total."""
@@ -935,7 +923,7 @@ class ActivationCapture:
             if stored is None:
                 self._account(module, call.name, t, Outcome.KEPT, 0)
             else:
-                self._account(module, call.name, t, Outcome.LOSSLESS, stored).codecs.add(MaskCodec.name)
+                self._account(module, call.name, t, Outcome.LOSSLESS, stored, codec=MaskCodec.name)
             return True
 
         if last >= call.saves - 1:  # a partner saved after this tensor
@@ -1004,7 +992,7 @@ class ActivationCapture:
         else:
             record = self._mask_codec.pack(dense, 0, 0)
         name = kind.value if kind is Kind.CELLS else record.codec  # the cells' indices, by what they are
-        self._account(module, op, t, Outcome.LOSSLESS, record.nbytes).codecs.add(name)
+        self._account(module, op, t, Outcome.LOSSLESS, record.nbytes, codec=name)
         return Compressed(record, decision.layout, decision.cells)
 
     def _store(self, t: torch.Tensor, dense: torch.Tensor, decision: Decision, module: str, op: str | None,
@@ -1068,9 +1056,7 @@ class ActivationCapture:
         self._stats.append(record.stats)
         if self.estimator is not None and isinstance(codec, (GroupQuantCodec, DivisionCodec)):
             self.estimator.observe_stats(slot, module, record.stats, bits, codec.group_size)
-        memory = self._account(module, op, t, Outcome.COMPRESSED, record.nbytes)
-        memory.bits.add(bits)
-        memory.codecs.add(record.codec)
+        self._account(module, op, t, Outcome.COMPRESSED, record.nbytes, bits=bits, codec=record.codec)
         self.report.slots[slot] = plan.memory_of(bits, dense_bytes, record.nbytes, record.codec)
         return Compressed(record, layout, restorer, slot)
 
@@ -1084,15 +1070,14 @@ class ActivationCapture:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if storage.nbytes() <= dense_bytes or self._live(self._kept_storages, ptr):
-            memory = self._account(module, op, t, Outcome.EXACT, 0)
+            self._account(module, op, t, Outcome.EXACT, 0, bits=None)
             saved = t.detach()
         else:
             # ``dense`` is ``t``'s values in memory order: a view of the storage where they
             # are one run of it (a third of ``qkv`` split along its first axis), else a copy.
             copy = dense.clone() if dense.untyped_storage().data_ptr() == ptr else dense
-            memory = self._account(module, op, t, Outcome.EXACT, dense_bytes, copied=True)
+            self._account(module, op, t, Outcome.EXACT, dense_bytes, copied=True, bits=None)
             saved = Compressed(KeptRecord(copy.detach()), layout)
-        memory.bits.add(None)
         self.report.slots[slot] = SlotMemory(module, tuple(t.shape), None, dense_bytes, dense_bytes, "stored", op)
         return saved
 

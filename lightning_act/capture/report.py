@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -67,6 +68,10 @@ _DESCRIPTIONS = {
     Outcome.PARAMETER: "parameters or their views",
     Outcome.EXTERNAL: "from the batch or buffers",
 }
+
+
+#: The ``bits`` of a save counted without a width (a mask, a kept tensor): None is one, exact.
+NO_BITS = object()
 
 
 @dataclass
@@ -205,12 +210,42 @@ class CompressionReport:
     counts: dict[str, int] = field(default_factory=dict)
     nonfinite_groups: torch.Tensor | int = 0
     _modules: dict[str, ModuleMemory] = field(default_factory=dict, repr=False)
+    #: Saves counted by :meth:`count` whose per-module rows are not folded into ``_modules`` yet.
+    _counted: list[tuple] = field(default_factory=list, repr=False)
     #: Added deltas whose per-module rows are not folded into ``_modules`` yet.
     _unfolded: list[ReportDelta] = field(default_factory=list, repr=False)
+
+    def count(self, module: str, op: str | None, outcome: Outcome, saved: int, stored: int, bits: Any = NO_BITS,
+              codec: str | None = None) -> None:
+        """Count one tensor of ``module``, saved by ``op``, with ``saved`` bytes more that autograd
+        would keep and ``stored`` more stored instead, at ``bits`` (None: exact) by ``codec``:
+        in the totals now, in its module's row when the rows are read. Rows are read at a
+        logging step, not at every step, and an eager step counts every save it makes."""
+        key = outcome.key
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.saved_bytes += saved
+        self.stored_bytes += stored
+        self._counted.append((module, op, outcome, saved, stored, bits, codec))
 
     @property
     def modules(self) -> dict[str, ModuleMemory]:
         """Per module (by its name in the model), what its saved tensors kept and stored."""
+        if self._counted:
+            rows = self._modules
+            for module, op, outcome, saved, stored, bits, codec in self._counted:
+                row = rows.get(module)
+                if row is None:
+                    row = rows[module] = ModuleMemory()
+                row.note(outcome, op)
+                row.saved_bytes += saved
+                row.stored_bytes += stored
+                if outcome.encodes:
+                    row.compressed += 1
+                if bits is not NO_BITS:
+                    row.bits.add(bits)
+                if codec is not None:
+                    row.codecs.add(codec)
+            self._counted.clear()
         if self._unfolded:
             for delta in self._unfolded:
                 _add_rows(self._modules, delta.modules)
