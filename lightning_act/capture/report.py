@@ -70,7 +70,7 @@ _DESCRIPTIONS = {
 }
 
 
-#: The ``bits`` of a save counted without a width (a mask, a kept tensor): None is one, exact.
+#: The ``bits`` of a save counted without a width (a mask, a kept tensor); None is a width: exact.
 NO_BITS = object()
 
 
@@ -165,9 +165,7 @@ class ReportDelta:
     def note(self, module: str, outcome: Outcome, op: str | None, saved: int, stored: int) -> ModuleMemory:
         """Count one more tensor of ``module``, saved by ``op``, and its bytes."""
         self.counts[outcome.value] = self.counts.get(outcome.value, 0) + 1
-        memory = self.modules.get(module)
-        if memory is None:
-            memory = self.modules[module] = ModuleMemory()
+        memory = _row(self.modules, module)
         memory.note(outcome, op)
         memory.saved_bytes += saved
         memory.stored_bytes += stored
@@ -185,12 +183,17 @@ class ReportDelta:
         self.slots.update(other.slots)
 
 
+def _row(rows: dict[str, ModuleMemory], name: str) -> ModuleMemory:
+    """``rows``' row of module ``name``, made empty where there is none yet."""
+    row = rows.get(name)
+    if row is None:
+        row = rows[name] = ModuleMemory()
+    return row
+
+
 def _add_rows(rows: dict[str, ModuleMemory], added: dict[str, ModuleMemory], times: int = 1) -> None:
     for name, memory in added.items():
-        row = rows.get(name)
-        if row is None:
-            row = rows[name] = ModuleMemory()
-        row.add(memory, times)
+        _row(rows, name).add(memory, times)
 
 
 @dataclass(eq=False)
@@ -231,11 +234,8 @@ class CompressionReport:
     def modules(self) -> dict[str, ModuleMemory]:
         """Per module (by its name in the model), what its saved tensors kept and stored."""
         if self._counted:
-            rows = self._modules
             for module, op, outcome, saved, stored, bits, codec in self._counted:
-                row = rows.get(module)
-                if row is None:
-                    row = rows[module] = ModuleMemory()
+                row = _row(self._modules, module)
                 row.note(outcome, op)
                 row.saved_bytes += saved
                 row.stored_bytes += stored
