@@ -17,6 +17,13 @@ codec's own op calls for one layer (one pack of the ReLU output, which two backw
 decode), timed alone. Their sum is the floor for this design; below it, the hooks
 themselves would have to move to C++.
 
+Between the floor and the capture, two bounds on what any Python-level pack hook costs,
+measured in the same rounds: a hook that stores every activation through the codec and does
+nothing else (no decision, no sharing beyond one tensor's repeated saves, no report), and
+the same hook that also computes each call's signature, which a capture must know before
+it may reuse an earlier decision for a save. What the second costs above the floor is
+spent before the capture has decided, shared or counted anything.
+
 Then the same model under ``torch.compile`` (inductor), with and without the capture: no
 Python hook runs per saved tensor there (the graph calls the library's pack and unpack
 ops), so the cost per packed tensor is the ops' dispatch and the codec itself.
@@ -36,7 +43,33 @@ import torch
 from torch import nn
 
 from lightning_act import ActivationCapture, CompressionConfig
+from lightning_act.capture.decide import call_key
+from lightning_act.capture.records import Compressed, Layout
 from lightning_act.codecs import GroupQuantCodec
+
+
+class CodecOnlyHook:
+    """A pack hook that stores every activation at ``bits`` through ``codec`` and a parameter
+    as it is, and nothing else: one record per tensor object (ReLU's output, which the next
+    Linear saves again, is packed once). With ``tracker``, it first computes the signature
+    of the call saving the tensor, as a capture must before reusing a decision."""
+
+    def __init__(self, codec: GroupQuantCodec, bits: int, tracker=None):
+        self.codec, self.bits, self.tracker = codec, bits, tracker
+        self.layout = Layout.as_it_is()
+        self.stored: dict[int, tuple[torch.Tensor, Compressed]] = {}
+
+    def __call__(self, t: torch.Tensor):
+        if self.tracker is not None:
+            call_key(self.tracker.current_call())
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # Linear saves its weight's view
+            return t.detach()
+        earlier = self.stored.get(id(t))
+        if earlier is not None and earlier[0] is t:
+            return earlier[1]
+        saved = Compressed(self.codec.pack(t, self.bits, len(self.stored)), self.layout)
+        self.stored[id(t)] = (t, saved)
+        return saved
 
 
 def codec_calls_us(x: torch.Tensor, repeats: int) -> float:
@@ -69,7 +102,12 @@ def main():
     capture = ActivationCapture(config, model)
     hooks_only = ActivationCapture(config, model)
     hooks_only._pack = torch.Tensor.detach  # every save passes through: the mechanism alone
-    sessions = {"plain": None, "hooks": hooks_only, "capture": capture}
+    codec = GroupQuantCodec(config.group_size)
+    codec_only = ActivationCapture(config, model)
+    codec_only._pack = CodecOnlyHook(codec, config.bits)
+    signed = ActivationCapture(config, model)
+    signed._pack = CodecOnlyHook(codec, config.bits, signed._tracker)
+    sessions = {"plain": None, "hooks": hooks_only, "codec_only": codec_only, "signed": signed, "capture": capture}
 
     def step(run: nn.Module, session: ActivationCapture | None) -> None:
         if session is not None:
@@ -78,6 +116,8 @@ def main():
         else:
             loss = run(x).sum()
         loss.backward()
+        if session is not None and isinstance(session._pack, CodecOnlyHook):
+            session._pack.stored.clear()
 
     def round_ms(run: nn.Module, session: ActivationCapture | None) -> float:
         started = time.perf_counter()
@@ -104,10 +144,15 @@ def main():
     per_layer_us = (best["capture"] - best["plain"]) / args.layers * 1e3
     hooks_us = (best["hooks"] - best["plain"]) / args.layers * 1e3
     codec_us = codec_calls_us(x, args.rounds * args.steps)
+    floor_us = hooks_us + codec_us
+    bound_us = {name: (best[name] - best["plain"]) / args.layers * 1e3 for name in ("codec_only", "signed")}
     print(f"{args.layers} Linear+ReLU layers, batch 4, width 64: step {best['plain']:.2f} ms plain, "
           f"{best['hooks']:.2f} ms with pass-through hooks, {best['capture']:.2f} ms with the capture; per layer: "
           f"{per_layer_us:.1f} us more with the capture, of which the hooks take {hooks_us:.1f} us and the codec's "
-          f"op calls {codec_us:.1f} us (floor {hooks_us + codec_us:.1f} us); saved tensors per step: {counts}")
+          f"op calls {codec_us:.1f} us (floor {floor_us:.1f} us); saved tensors per step: {counts}")
+    print(f"per layer against the floor: a pack hook doing nothing but the codec {bound_us['codec_only']:.1f} us "
+          f"({bound_us['codec_only'] / floor_us:.2f}x), with each call's signature {bound_us['signed']:.1f} us "
+          f"({bound_us['signed'] / floor_us:.2f}x), the capture {per_layer_us:.1f} us ({per_layer_us / floor_us:.2f}x)")
     print(f"compiled (inductor): step {best['compiled_plain']:.2f} ms plain, {best['compiled_capture']:.2f} ms with "
           f"the capture: {compiled_us:.1f} us per packed tensor, codec included ({packed} packed per step: "
           f"{compiled_counts})")
@@ -123,7 +168,12 @@ def main():
         "extra_us_per_layer": per_layer_us,
         "hooks_us_per_layer": hooks_us,
         "codec_calls_us_per_layer": codec_us,
-        "floor_us_per_layer": hooks_us + codec_us,
+        "floor_us_per_layer": floor_us,
+        "codec_only_hook_us_per_layer": bound_us["codec_only"],
+        "signed_codec_only_hook_us_per_layer": bound_us["signed"],
+        "capture_over_floor": per_layer_us / floor_us,
+        "codec_only_hook_over_floor": bound_us["codec_only"] / floor_us,
+        "signed_codec_only_hook_over_floor": bound_us["signed"] / floor_us,
         "decisions_per_step": counts,
         "compiled_plain_step_ms": best["compiled_plain"],
         "compiled_capture_step_ms": best["compiled_capture"],
