@@ -587,6 +587,20 @@ def test_a_graph_names_the_saves_outside_the_models_modules_as_eager_does(compil
     assert names[0] == names[1] == {expected}, names
 
 
+def test_a_module_row_counts_the_same_compressed_tensors_eager_and_compiled():
+    """A dropout's mask is stored exactly in fewer bits: in its module's outcomes as lossless,
+    in neither path's count of tensors a codec rounded."""
+    model = seeded(lambda: nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5), nn.Linear(64, 64)))
+    x = torch.randn(32, 64)
+    rows = []
+    for run in (model, torch.compile(model, backend="aot_eager")):
+        with compress_activations(model, inputs=x, bits=2, min_numel=1) as capture:
+            loss = run(x).sum()
+        loss.backward()
+        rows.append({name: (memory.compressed, memory.outcomes) for name, memory in capture.report.modules.items()})
+    assert rows[0] == rows[1] == {"1": (0, {"lossless": 1}), "2": (1, {"compressed": 1})}, rows
+
+
 def test_a_graph_that_may_serve_several_modules_of_a_class_names_its_own_saves_by_none_of_them():
     """Two blocks of one class, each compiled in place: Dynamo guards on the class, so the
     graph compiled for the first block's call may run the second's too, and naming its saves
@@ -600,6 +614,42 @@ def test_a_graph_that_may_serve_several_modules_of_a_class_names_its_own_saves_b
     loss.backward()
     named = {name: memory.compressed for name, memory in capture.report.modules.items() if memory.compressed}
     assert named[COMPILED_REGION] == 2 and not {"0", "1"} & named.keys(), named  # each block's tanh output
+
+
+@pytest.mark.parametrize("compile_each", ["in place", "wrapped"])
+def test_a_memory_target_refuses_modules_compiled_one_by_one_that_share_a_graph(compile_each):
+    """One graph serves every block of the class, at the bits planned for its relative names:
+    a plan per module cannot be kept, so the first session says so rather than miss the target."""
+    from lightning_act.policy import AdaptiveBits, TargetBits
+
+    model = seeded(lambda: nn.Sequential(_OwnOps(), _OwnOps(), nn.Linear(64, 64)))
+    if compile_each == "in place":
+        for block in model[:2]:
+            block.compile(backend="aot_eager")
+    else:
+        model[0], model[1] = (torch.compile(block, backend="aot_eager") for block in model[:2])
+    capture = ActivationCapture(CompressionConfig(), model, TargetBits("64MiB"))
+    assert capture.shared_compiled_modules() == {"_OwnOps": ["0", "1"]}
+    with pytest.raises(ValueError, match=r"memory_target .* 2 _OwnOps modules \(0, \.\.\.\).*compile the model whole"):
+        capture.start()
+    assert not capture.active
+    adaptive = ActivationCapture(CompressionConfig(), model, AdaptiveBits(2.0))
+    with pytest.warns(UserWarning, match=r"2 _OwnOps modules .* default bits"):
+        adaptive.start()
+    adaptive.stop()
+
+
+def test_a_memory_target_plans_a_model_compiled_whole_or_a_single_compiled_module():
+    from lightning_act.policy import TargetBits
+
+    model = seeded(lambda: nn.Sequential(_OwnOps(), nn.Linear(64, 64)))
+    model[0].compile(backend="aot_eager")
+    whole = torch.compile(seeded(lambda: nn.Sequential(_OwnOps(), _OwnOps())), backend="aot_eager")
+    for compiled in (model, whole):
+        capture = ActivationCapture(CompressionConfig(), compiled, TargetBits("64MiB"))
+        assert capture.shared_compiled_modules() == {}
+        capture.start()
+        capture.stop()
 
 
 def test_an_index_a_compiled_graph_saves_is_stored_in_fewer_bits_exactly():

@@ -93,7 +93,7 @@ from lightning_act.config import CODECS, CompressionConfig
 from lightning_act.ops import count_nonfinite_groups
 from lightning_act.ops.validation import MIN_GROUP_SIZE
 from lightning_act.optrack import OpTracker, TrackedCall
-from lightning_act.policy import BitPolicy, FixedBits, SlotInfo
+from lightning_act.policy import AllocatedBits, BitPolicy, FixedBits, SlotInfo, TargetBits
 from lightning_act.policy.bits import SaveRules
 from lightning_act.policy.estimators import GradientSensitivity, probe_sensitivities, update_weights
 
@@ -233,6 +233,7 @@ class ActivationCapture:
         self.report = CompressionReport()
         self.total_nonfinite_groups: torch.Tensor | int = 0
         self._rules_checked = False
+        self._shared_graphs_checked = False
         self._warned_graphs_skipped = False
         self._active = False
         self._paused = False
@@ -294,6 +295,8 @@ class ActivationCapture:
                         self.mark_external(buffer)
         _SharedModuleHooks.register()
         _switch_around_compiled_calls(self._modules)
+        if not self._shared_graphs_checked:
+            self._check_shared_graphs()
         _SharedModuleHooks.capturing.append(self)
         SeedStream.restart(seed)
         NativeSaves.follow(self)
@@ -343,6 +346,50 @@ class ActivationCapture:
             ops = set().union(*(memory.ops for memory in self.report.modules.values()))
             rules.warn_unmatched(self._names.values(), ops)
         return self.report
+
+    def shared_compiled_modules(self) -> dict[str, list[str]]:
+        """The model's modules compiled one by one (``module.compile()``, ``torch.compile``
+        of a submodule) whose class has several such modules, by class name: torch runs
+        them all through the graphs compiled for the first one it met, whose plans name the
+        saves relative to the compiled module (``mlp.0#0``) and fix each one's bits for every
+        module of the class."""
+        wrapped = {id(m._orig_mod) for m in self._modules if isinstance(m, OptimizedModule)}
+        by_class: dict[type, list[str]] = {}
+        for module in self._modules:
+            if isinstance(module, OptimizedModule):
+                continue
+            forward = module.__dict__.get("forward")
+            if (module._compiled_call_impl is not None or id(module) in wrapped
+                    or getattr(forward, "_torchdynamo_orig_callable", None) is not None):
+                by_class.setdefault(type(module), []).append(self._names.get(module) or type(module).__name__)
+        return {kind.__name__: names for kind, names in by_class.items() if len(names) > 1}
+
+    def _check_shared_graphs(self) -> None:
+        """Refuse a memory target, and warn for per-tensor bits, where one compiled graph
+        serves several modules (:meth:`shared_compiled_modules`): a plan chooses bits per
+        saved tensor of each module, while the graph stores every module's saves at the bits
+        planned for its own relative names, which no probe measures. On a ViT whose 6 blocks
+        were compiled one by one, a 110 MiB target peaked at 142 MiB."""
+        self._shared_graphs_checked = True
+        if not isinstance(self.policy, AllocatedBits):
+            return
+        shared = self.shared_compiled_modules()
+        if not shared:
+            return
+        listed = "; ".join(f"{len(names)} {kind} modules ({names[0]}, ...)" for kind, names in shared.items())
+        remedy = ("compile the model whole (torch.compile(model), or trainer.fit of the compiled LightningModule) "
+                  "or leave these modules eager")
+        if isinstance(self.policy, TargetBits):
+            raise ValueError(
+                f"lightning_act: memory_target cannot be planned where modules compiled one by one share their "
+                f"compiled graphs: {listed}. One graph stores the saves of every module of its class at one set of "
+                f"bits, which the plan cannot price per module; {remedy}."
+            )
+        warnings.warn(
+            f"lightning_act: modules compiled one by one share their compiled graphs: {listed}. Their saves are "
+            f"stored at the policy's default bits, not chosen per tensor; {remedy} for per-tensor bits.",
+            stacklevel=3,
+        )
 
     def _warn_if_graphs_skipped(self) -> None:
         """Warn once where a compiled module's code ran eagerly in this session with the op

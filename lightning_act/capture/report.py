@@ -45,8 +45,6 @@ class Outcome(enum.Enum):
         self.key = value
         #: Whether the saved tensor's own storage stays allocated for backward.
         self.keeps_storage = value in ("kept", "exact", "statistic")
-        #: Whether a codec's record replaces the saved tensor.
-        self.encodes = value in ("compressed", "lossless")
         #: Whether its tensors are in the byte totals and the per-module rows.
         self.counted = value not in ("parameter", "external")
 
@@ -81,6 +79,7 @@ class ModuleMemory:
     saved_bytes: int = 0
     stored_bytes: int = 0
     tensors: int = 0
+    #: How many of its tensors a codec stored lossy (:attr:`Outcome.COMPRESSED`), eager or compiled.
     compressed: int = 0
     bits: set = field(default_factory=set)
     codecs: set = field(default_factory=set)
@@ -239,7 +238,7 @@ class CompressionReport:
                 row.note(outcome, op)
                 row.saved_bytes += saved
                 row.stored_bytes += stored
-                if outcome.encodes:
+                if outcome is Outcome.COMPRESSED:
                     row.compressed += 1
                 if bits is not NO_BITS:
                     row.bits.add(bits)
