@@ -23,13 +23,14 @@ saved tensor kept exact, and estimates their share of the 2-bit gradient's bias 
 one-seed and mean-of-seeds errors (``e1^2 = b^2 + v``, ``ek^2 = b^2 + v / k``), and their
 8-bit error; tensors are named by module and op.
 
-``--compiled`` measures every case with its model compiled by ``torch.compile`` (inductor,
-the module compiled in place), the saved tensors decided inside the graphs
-(``model_libraries_compiled_cpu.json``; no culprit search: each slot alone is a policy of its
-own, so a recompile each).
+``--side-by-side`` measures every case eager and compiled by ``torch.compile`` (inductor, the
+module compiled in place) in one process, the saved tensors decided inside the graphs:
+stored bytes, 8-bit errors and seed ratios next to each other
+(``model_libraries_side_by_side_cpu.json``; no culprit search: each slot alone is a policy of
+its own, so a recompile each).
 
     python benchmarks/model_libraries.py --data ../shared/data --out benchmarks/results
-    python benchmarks/model_libraries.py --compiled --seeds 8
+    python benchmarks/model_libraries.py --side-by-side --seeds 4
 """
 
 from __future__ import annotations
@@ -599,7 +600,6 @@ def main():
     parser.add_argument("--seeds", type=int, default=SEEDS)
     parser.add_argument("--culprit-seeds", type=int, default=8, help="rounding seeds per slot in the culprit search")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--compiled", action="store_true", help="each model under torch.compile (inductor)")
     parser.add_argument("--side-by-side", action="store_true",
                         help="each model eager and compiled in one run: stored bytes, errors and bias side by side")
     args = parser.parse_args()
@@ -607,12 +607,12 @@ def main():
     if args.side_by_side:
         side_by_side(args)
         return
-    path = args.out / ("model_libraries_compiled_cpu.json" if args.compiled else "model_libraries_cpu.json")
+    path = args.out / "model_libraries_cpu.json"
     command, results = _results_of_run(args, path)
     print(f"{'case':<28} {'8-bit':>8} {'2-bit':>8} {'mean':>8} {'ratio':>6} {'kept':>7} {'peak':>6} {'s':>5}")
     for name in args.only or CASES:
         try:
-            m = measure(name, args.data, args.seeds, args.compiled)
+            m = measure(name, args.data, args.seeds)
         except Exception as error:  # noqa: BLE001 - recorded: a case that fails is a finding
             print(f"{name:<28} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
             results["cases"][name] = {"case": name, "failed": f"{type(error).__name__}: {str(error)[:2000]}",
@@ -624,7 +624,7 @@ def main():
         row["command"] = command
         print(f"{name:<28} {m.error_8bit:>8.4f} {m.error_2bit:>8.4f} {m.mean_error_2bit:>8.4f}"
               f" {m.unbiased_ratio:>5.2f}x {m.kept_ratio:>6.2f}x {m.peak_ratio:>5.3f} {m.seconds:>5.1f}", flush=True)
-        if not args.compiled and (m.error_8bit >= MAX_ERROR_8BIT or m.unbiased_ratio < MIN_UNBIASED_RATIO):
+        if m.error_8bit >= MAX_ERROR_8BIT or m.unbiased_ratio < MIN_UNBIASED_RATIO:
             row["culprits"] = find_culprits(name, args.data, args.culprit_seeds)
             for kind in ("ops", "slots"):
                 for c in row["culprits"][kind]:

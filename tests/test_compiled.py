@@ -124,6 +124,34 @@ def test_a_graph_whose_every_save_is_kept_exact_reports_them_as_eager_does():
     assert all(slot.bits is None and slot.codec == "stored" for slot in compiled.slots.values())
 
 
+@pytest.mark.slow  # 2 s
+def test_a_kept_save_that_is_also_the_graphs_output_compiles():
+    """A save kept as it is returns the tensor beside its plan's part; where the tensor is also
+    an output of the graph, torch keeps its node and orders the backward's inputs part first,
+    and a forward listing the tensor first failed its check (torchvision's Faster R-CNN)."""
+
+    class CatOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+
+        def forward(self, x):
+            y = torch.cat([self.fc(x), x], dim=1)
+            return y, torch.sin(y) * y
+
+    model = seeded(CatOut)
+    x = torch.randn(8, 64)
+    grads = []
+    for run in (model, torch.compile(model, backend="aot_eager")):
+        capture = ActivationCapture(CompressionConfig(), model, FixedBits(2, {"*": "exact"}))
+        with capture.capturing(inputs=x):
+            y, z = run(x)
+        (y.sum() + z.sum()).backward()
+        grads.append(model.fc.weight.grad.clone())
+        model.zero_grad()
+    torch.testing.assert_close(grads[1], grads[0])
+
+
 def test_an_exact_save_viewing_part_of_a_storage_is_kept_as_a_copy_of_its_own_values():
     """A half of a projection's output (an attention's value, a third of ``qkv`` split along
     its first axis) that a rule keeps exact: as eager does, the graph keeps a copy of its

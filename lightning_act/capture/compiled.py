@@ -586,7 +586,10 @@ def _pack(x: torch.Tensor, state: str) -> Any:
         return (_KEPT, x)
     stored, parsed = x, _parse(plan)
     if parsed.form == "kept":  # kept as it is; the op counts what the graph keeps
-        return (_KEPT, x, torch.ops.lightning_act.pack_saved(x, plan))
+        # ``x`` last: where it is also the graph's output or input, torch keeps its node and
+        # moves the backward's input for the op's part before it, and the forward's outputs
+        # must list the two in that order (torchvision's Faster R-CNN failed to compile).
+        return (_KEPT, torch.ops.lightning_act.pack_saved(x, plan), x)
     if parsed.form == "derivative":
         # Computed by the graph's own ops (traced here, fused by the compiler), in x's
         # layout: the values are stored in x's memory order, and restored in it.
@@ -606,7 +609,7 @@ def _unpack(packed: Any, state: str) -> torch.Tensor:
     if tag == _EAGER:
         return unpack_eager(packed[1])
     if tag == _KEPT:
-        return packed[1]
+        return packed[-1]
     _, parts, size, stride, dtype, plan = packed
     return torch.ops.lightning_act.unpack_saved(parts, size, stride, dtype, plan)
 
