@@ -358,9 +358,7 @@ class ActivationCapture:
         for module in self._modules:
             if isinstance(module, OptimizedModule):
                 continue
-            forward = module.__dict__.get("forward")
-            if (module._compiled_call_impl is not None or id(module) in wrapped
-                    or getattr(forward, "_torchdynamo_orig_callable", None) is not None):
+            if id(module) in wrapped or _compiled_in_place(module):
                 by_class.setdefault(type(module), []).append(self._names.get(module) or type(module).__name__)
         return {kind.__name__: names for kind, names in by_class.items() if len(names) > 1}
 
@@ -1283,6 +1281,12 @@ def runs_compiled(module: nn.Module) -> bool:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is None or eval_frame._stance.stance == "force_eager":
         return False
+    return _compiled_in_place(module)
+
+
+def _compiled_in_place(module: nn.Module) -> bool:
+    """Whether ``module`` itself was compiled, whatever the stance: ``module.compile()`` or a
+    forward Dynamo wraps (Lightning's compiled module)."""
     if module._compiled_call_impl is not None:
         return True
     forward = module.__dict__.get("forward")  # set on the instance by all but module.compile()
