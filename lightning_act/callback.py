@@ -76,7 +76,7 @@ class ActCompression(Callback):
     keeps each step's measured peak at or below the target
     (:mod:`lightning_act.policy.memory_target`): the first two steps run every tensor at its
     lowest bits, then the plan moves after each step by what the measured peak leaves, and
-    the tensors' sensitivity is measured after the first step and every
+    the tensors' sensitivity is measured after the second step and every
     ``recalibrate_every_n_steps``. Logged every step: ``memory_target_mib`` and
     ``predicted_peak_mib`` beside ``peak_mib``. A target that a step at the lowest bits cannot
     meet, with what it leaves for later steps (optimizer state, gradients), raises
@@ -198,9 +198,9 @@ class ActCompression(Callback):
         self.last_report = CompressionReport()
         self.sensitivity: dict[str, dict[int, float]] = {}
         self.recalibration_ms = 0.0
-        # A memory target measures its tensors' sensitivity after the first step, which
-        # runs them all at their lowest bits.
-        self._next_calibration = 1 if memory_target is not None else warmup_steps
+        # A memory target measures its tensors' sensitivity as soon as the probes can be
+        # sized by a step after the fit's first (see _recalibrate).
+        self._next_calibration = 2 if memory_target is not None else warmup_steps
         self._calibration_end: int | None = None
         self._gradient_estimate: GradientSensitivity | None = None
         self._history: list[dict[str, float]] = []
@@ -214,6 +214,10 @@ class ActCompression(Callback):
         self.max_peak_bytes: int | None = None
         #: The last training step's peak before its backward began, in bytes.
         self.last_forward_peak_bytes: int | None = None
+        # The least peak every later step of the same work reaches (StepPeakMemory.lasting_peak_bytes).
+        self._lasting_peak_bytes: int | None = None
+        self._probe_cost = ProbeCost()
+        self._measured_steps = 0  # in this fit
         # A recalibration's table waits for the first step run under its bits: its shapes and
         # stored bytes are then the batch's and those bits' own.
         self._pending_allocation: tuple[int, dict[str, dict[int, float]], dict[str, float]] | None = None
@@ -227,6 +231,11 @@ class ActCompression(Callback):
     @property
     def targeted(self) -> bool:
         return isinstance(self.policy, TargetBits)
+
+    @property
+    def recalibration_steps(self) -> list[int]:
+        """The steps at which a recalibration chose new bits, in this process."""
+        return list(self._history_steps)
 
     @property
     def recalibrations(self) -> int:
@@ -243,6 +252,7 @@ class ActCompression(Callback):
         self.capture = ActivationCapture(self.config, pl_module, self.policy)
         self.capture.group_orders.restore(self._restored_group_axes)
         self._step_peak = StepPeakMemory(trainer.strategy.root_device, pl_module)
+        self._probe_cost.parameter_bytes = storage_bytes(p for p in pl_module.parameters() if p.requires_grad)
         if any(isinstance(callback, BatchSizeFinder) for callback in trainer.callbacks):
             self._follow_batch_size_search(pl_module)
         ensure_kernels(trainer.strategy.root_device)
@@ -272,6 +282,7 @@ class ActCompression(Callback):
                 "(requires_grad_(True)) or use trainer.validate/test for a frozen model"
             )
         self._fit_started = time.perf_counter()
+        self._measured_steps = 0
         if self.targeted:
             self.policy.restart()  # measured afresh in each fit
             # An earlier fit's trainer, model and optimizer state in one process (a sweep, a
@@ -289,21 +300,18 @@ class ActCompression(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         if self.capture is None:
             return
+        # The step's peak counts all the library does in it, a recalibration's probes included.
+        if self.targeted or self.adaptive:  # their plans and probes are sized by the lasting peak
+            self._step_peak.follow_optimizers(trainer.optimizers, update_hooks=False)
+        self._step_peak.start()
         if self.targeted:
             self._follow_batch_size(trainer, batch)
         if self.adaptive and self._calibration_end is None and trainer.global_step >= self._next_calibration:
-            if self.estimator in _PROBE_METHODS:
-                self._recalibrate_by_probes(trainer, pl_module, batch, batch_idx)
-            else:
-                self._gradient_estimate = GradientSensitivity()
-                self._calibration_end = trainer.global_step + self.calibration_steps
+            self._recalibrate(trainer, pl_module, batch, batch_idx)
         self.capture.estimator = self._gradient_estimate
         # Reproducible per step and distinct per rank and micro-batch: resuming a run
         # replays the same rounding noise, and ranks do not share (correlated) noise.
         stream = splitmix64((trainer.global_step << 24) ^ (batch_idx << 8) ^ trainer.global_rank)
-        if self.targeted:
-            self._step_peak.follow_optimizers(trainer.optimizers, update_hooks=False)
-        self._step_peak.start()  # after the probes: their memory is not the step's
         self.capture.start(inputs=batch, seed=splitmix64(self.config.seed ^ stream))
         if getattr(pl_module, "_compiler_ctx", None) is not None:  # trainer.fit(torch.compile(module))
             self.capture.watch_ops(False)  # the training step is compiled: no module call around it
@@ -336,6 +344,11 @@ class ActCompression(Callback):
             f"{LOG_PREFIX}/compression_ratio": report.ratio,
         }
         self.last_peak_bytes = self._step_peak.peak_bytes()
+        self._measured_steps += self.last_peak_bytes is not None
+        # Automatic optimization clears the gradients after the forward: a step's last
+        # gradients are held through the next step's forward (manual: wherever the user does).
+        forward_peak = self.last_forward_peak_bytes if pl_module.automatic_optimization else None
+        self._lasting_peak_bytes = self._step_peak.lasting_peak_bytes(forward_peak)
         if self.last_peak_bytes is not None:
             self.max_peak_bytes = max(self.max_peak_bytes or 0, self.last_peak_bytes)
             figures[f"{LOG_PREFIX}/peak_mib"] = self.last_peak_bytes / MIB
@@ -420,12 +433,59 @@ class ActCompression(Callback):
             self._step_peak.close()
 
     # ----------------------------------------------------------------- recalibration
-    def _recalibrate_by_probes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+    def _recalibrate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        """Measure the tensors' sensitivity by probes where they fit in the room the last
+        step left, else by the gradient estimator over the next steps (no memory of its own)."""
+        if self.estimator in _PROBE_METHODS:
+            if self._step_peak.live_bytes() is not None and self._measured_steps < 2:
+                # The probes are sized by a measured step, and a fit's first one is not like
+                # the rest (its one-off allocations: optimizer state, first-call set-ups).
+                return
+            if pl_module.automatic_optimization and batch_idx % trainer.accumulate_grad_batches == 0:
+                # This step's zero_grad clears the gradients after its forward: they are
+                # dead now, and the probes' own gradient takes their place.
+                for optimizer in trainer.optimizers:
+                    optimizer.zero_grad(set_to_none=True)
+            rows = self._probe_rows(batch)
+            if rows:
+                self._recalibrate_by_probes(trainer, pl_module, batch, batch_idx, rows)
+                return
+            rank_zero_info(
+                f"lightning_act: recalibrating the bits at step {trainer.global_step} from the gradients of the next "
+                f"{self.calibration_steps} steps: probes on even one sample would need more than the "
+                f"{self._probe_room() / MIB:.1f} MiB the last step left"
+            )
+        self._gradient_estimate = GradientSensitivity()
+        self._calibration_end = trainer.global_step + self.calibration_steps
+
+    def _probe_room(self) -> int:
+        """Bytes the probes may hold above the live tensors now: up to the last step's
+        lasting peak (and a memory target), so that the step probing peaks no higher."""
+        ceiling = self._lasting_peak_bytes
+        if self.targeted:
+            ceiling = min(ceiling, self.policy.target_bytes)
+        return ceiling - self._step_peak.live_bytes()
+
+    def _probe_rows(self, batch: Any) -> int:
+        """The most batch rows, up to ``probe_samples``, whose probes fit the room (0 if
+        none do; a batch the probes take whole counts as one row)."""
+        rows = _batch_rows(batch)
+        wanted = 1 if rows is None else min(self.probe_samples, rows)
+        if self._step_peak.live_bytes() is None:  # nothing to size them by
+            return wanted
+        row_bytes = self.last_report.saved_bytes / (rows or 1)
+        room = self._probe_room()
+        return next((r for r in range(wanted, 0, -1) if self._probe_cost.predict(r, row_bytes) <= room), 0)
+
+    def _recalibrate_by_probes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                               rows: int) -> None:
         started = time.perf_counter()
-        sample = _leading_rows(batch, self.probe_samples)
+        sample = _leading_rows(batch, rows)
+        whole = _batch_rows(batch) is None
         rank_zero_info(
             f"lightning_act: recalibrating the bits at step {trainer.global_step}: probing the saved tensors "
-            f"({_PROBE_METHODS[self.estimator]}) on {self.probe_samples} samples of the batch"
+            f"({_PROBE_METHODS[self.estimator]}) on " + ("the whole batch" if whole else f"{rows} samples of the batch")
+            + ("" if whole or rows == self.probe_samples else " (as many as fit the memory the last step left)")
         )
 
         def loss_fn() -> torch.Tensor:
@@ -436,8 +496,10 @@ class ActCompression(Callback):
         # A compiled backward frees what its graph saved as it runs (donated buffers), so it
         # cannot run once per probe: the probes run compiled code eagerly.
         with torch.compiler.set_stance("force_eager"):
-            sensitivity = self.capture.measure_sensitivity(loss_fn, inputs=sample, optimizers=trainer.optimizers,
-                                                           method=_PROBE_METHODS[self.estimator])
+            sensitivity, held = self._step_peak.peak_of(lambda: self.capture.measure_sensitivity(
+                loss_fn, inputs=sample, optimizers=trainer.optimizers, method=_PROBE_METHODS[self.estimator]))
+        if held is not None and self.last_report.saved_bytes:
+            self._probe_cost.observe(rows, self.last_report.saved_bytes / (_batch_rows(batch) or 1), held)
         self._solve(trainer, sensitivity, started)
 
     def _solve(self, trainer: pl.Trainer, sensitivity: dict[str, dict[int, float]], started: float) -> None:
@@ -522,13 +584,9 @@ class ActCompression(Callback):
     def _follow_target(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                        report: CompressionReport) -> dict[str, float]:
         """Compare the step's peak with the target and move the plan where it should."""
-        peak = self.last_peak_bytes
+        peak, lasting = self.last_peak_bytes, self._lasting_peak_bytes
         if peak is None:
             return {}
-        # Automatic optimization clears the gradients after the forward: a step's last
-        # gradients are held through the next step's forward (manual: wherever the user does).
-        forward_peak = self.last_forward_peak_bytes if pl_module.automatic_optimization else None
-        lasting = self._step_peak.lasting_peak_bytes(forward_peak)
         if trainer.world_size > 1:  # every rank must fit: the highest peak decides
             peaks = torch.tensor([float(peak), float(lasting)], device=pl_module.device)
             peak, lasting = map(int, trainer.strategy.reduce(peaks, reduce_op="max").tolist())
@@ -607,6 +665,43 @@ def _per_width(assignment: Mapping[str, int | None]) -> str:
 def _this_hook_then(callback_hook, pl_module: pl.LightningModule, module_hook, *args) -> Any:
     callback_hook(pl_module.trainer, pl_module, *args)
     return module_hook(*args)
+
+
+class ProbeCost:
+    """What a recalibration's probes hold above the live tensors before them, predicted
+    for a number of batch rows: a part per row (the rows' saves held exact, the gradients
+    their exact backward passes on, the errors routed to their activations: each about the
+    rows' saved bytes) and a fixed part (the exact parameter gradient, a perturbed copy of
+    the parameters, a reading node's temporaries), from multiples of the saved bytes and
+    the trainable parameters' that the probes of ResNet-18 and a transformer held. Each
+    probe's measured peak rescales the prediction for the next."""
+
+    #: Bytes per row, per saved byte of one row of the step.
+    PER_ROW = 4.0
+    #: Fixed bytes, per byte of the trainable parameters.
+    FIXED = 1.8
+
+    def __init__(self):
+        self.scale = 1.0
+        self.parameter_bytes = 0
+
+    def predict(self, rows: int, row_bytes: float) -> float:
+        return self.scale * (self.PER_ROW * rows * row_bytes + self.FIXED * self.parameter_bytes)
+
+    def observe(self, rows: int, row_bytes: float, held: int) -> None:
+        """A probe on ``rows`` rows held ``held`` bytes at its peak."""
+        unscaled = self.predict(rows, row_bytes) / self.scale
+        if unscaled > 0:
+            self.scale = held / unscaled
+
+
+def _batch_rows(batch: Any) -> int | None:
+    """Rows of a batch as :func:`_leading_rows` slices it: the leading size of its first
+    tensor with a dimension (None: no such tensor, the probes take the batch whole)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    return next((rows for value in values if (rows := _batch_rows(value)) is not None), None)
 
 
 def _leading_rows(batch: Any, rows: int) -> Any:

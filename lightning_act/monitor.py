@@ -8,8 +8,9 @@ loggers (other loggers have no common API for them). Keys share one prefix.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,6 +55,7 @@ class StepPeakMemory:
         self._stated_at_start: set[int] = set()
         self._graded_at_start: set[int] = set()
         self._update_peak: int | None = None
+        self._earlier_peak = 0  # the step's peak before the counter was last restarted
         self._resident = device.type == "cpu" and _resident_high_water_mark() is not None and _reset_high_water_mark()
         #: Whether the figure counts live tensors only.
         self.exact = True
@@ -94,12 +96,10 @@ class StepPeakMemory:
 
     def start(self) -> None:
         """Begin a step: the peak from now on."""
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.exact:
-            torch.ops.lightning_act.live_memory_reset_peak()
+        self._restart_counter()
         if self._resident:
             _reset_high_water_mark()
+        self._earlier_peak = 0
         self._update_peak = None
         self._stated_at_start = {id(p) for optimizer in self._optimizers for p in optimizer.state}
         self._graded_at_start = {id(p) for p in self._parameters() if p.grad is not None}
@@ -115,10 +115,38 @@ class StepPeakMemory:
     def peak_bytes(self) -> int | None:
         """The highest memory since :meth:`start` (None where it cannot be measured)."""
         if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device)
+            return max(self._earlier_peak, torch.cuda.max_memory_allocated(self.device))
         if self.exact:
-            return torch.ops.lightning_act.live_memory_read()[1] + self._untracked
+            return max(self._earlier_peak, torch.ops.lightning_act.live_memory_read()[1] + self._untracked)
         return self.resident_peak_bytes()
+
+    def live_bytes(self) -> int | None:
+        """The live tensors now (None where only a high-water mark can be read)."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        if self.exact:
+            return torch.ops.lightning_act.live_memory_read()[0] + self._untracked
+        return None
+
+    def peak_of(self, work: Callable[[], Any]) -> tuple[Any, int | None]:
+        """Run ``work`` within the step and return what it returns and its own peak above
+        the live tensors before it (None where live tensors are not counted). The step's
+        peak keeps what came before."""
+        before = self.live_bytes()
+        if before is None:
+            return work(), None
+        self._earlier_peak = self.peak_bytes()
+        self._restart_counter()
+        result = work()
+        counted = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else (
+            torch.ops.lightning_act.live_memory_read()[1] + self._untracked)
+        return result, counted - before
+
+    def _restart_counter(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.exact:
+            torch.ops.lightning_act.live_memory_reset_peak()
 
     def lasting_peak_bytes(self, forward_peak: int | None = None) -> int | None:
         """The peak every later step of the same work reaches at least. It is this step's,

@@ -55,13 +55,14 @@ def test_recalibrates_and_logs_every_panel_to_tensorboard(tmp_path, estimator):
 
 
 def test_recalibration_is_announced_when_it_starts_and_when_it_ends(tmp_path, caplog):
+    # The probes are sized by a measured step after the fit's first: at step 2, not at the warm-up's end.
     callback = ActCompression(budget=2.0, warmup_steps=1, recalibrate_every_n_steps=100, min_numel=256)
     with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
         trainer_for(tmp_path, [callback], 3, enable_checkpointing=False).fit(SmallCNN(), loader())
     lines = [record.getMessage() for record in caplog.records if "recalibrat" in record.getMessage()]
-    assert lines[0].startswith("lightning_act: recalibrating the bits at step 1: probing the saved tensors (linearized) on 8")
-    assert lines[1].startswith("lightning_act: recalibrated at step 1 in ")
-    assert "% of the training time so far" in lines[1] and lines[1].endswith("next at step 101")
+    assert lines[0].startswith("lightning_act: recalibrating the bits at step 2: probing the saved tensors (linearized) on ")
+    assert lines[1].startswith("lightning_act: recalibrated at step 2 in ")
+    assert "% of the training time so far" in lines[1] and lines[1].endswith("next at step 102")
     widths = sum(int(part.split(" at ")[0]) for part in lines[1].split("width: ")[1].split(";")[0].split(", "))
     assert widths == len(callback.policy.assignment)
 
@@ -75,6 +76,7 @@ class Snapshot(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.store.setdefault(self.key, []).append(
             {
+                "batch_idx": batch_idx,
                 "rng": torch.get_rng_state(),
                 "buffers": [b.clone() for b in pl_module.buffers()],
                 "grads": [None if p.grad is None else p.grad.clone() for p in pl_module.parameters()],
@@ -94,6 +96,8 @@ def test_probes_leave_rng_batchnorm_and_accumulated_grads_alone(tmp_path):
     for before, after in zip(store["before"], store["after"]):
         assert torch.equal(before["rng"], after["rng"])
         assert all(torch.equal(a, b) for a, b in zip(before["buffers"], after["buffers"]))
+        if before["batch_idx"] % 2 == 0 and all(b is None for b in after["grads"]):
+            continue  # the first batch of a window: its zero_grad clears them, so the probes may first
         assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(before["grads"], after["grads"]))
 
 

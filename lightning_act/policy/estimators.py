@@ -29,7 +29,7 @@ import torch
 
 from lightning_act.ops.validation import SUPPORTED_BITS
 from lightning_act.policy.allocation import quantization_variance
-from lightning_act.policy.linearized import ForwardRecorder, LinearizedProbe, Mismatch, norm_energies
+from lightning_act.policy.linearized import ForwardRecorder, LinearizedProbe, Mismatch, energies_of_gradients
 
 
 def _levels_variance(bits: int, zero_preserving_fraction: float) -> float:
@@ -81,7 +81,7 @@ class GradientSensitivity:
         return {s: {b: ci * _levels_variance(b, zi) for b in SUPPORTED_BITS} for s, ci, zi in zip(slots, c, z)}
 
 
-def update_weights(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]) -> list:
+class UpdateWeights(Sequence):
     """How much a gradient error in each parameter moves the optimizer's next update.
 
     An optimizer step changes a parameter by ``lr * g / d`` (``d = 1`` for SGD; for Adam
@@ -92,27 +92,74 @@ def update_weights(optimizers: Sequence[torch.optim.Optimizer], params: Sequence
     weights: there, noise that is small next to the whole gradient's norm still swamps
     their own update.
 
-    Returns:
-        One weight per parameter, aligned with ``params``: a tensor of its shape, a float
-        (``lr**2`` for a parameter with no second-moment state), or None where no optimizer
-        holds it (plain variance).
+    Item ``i``, for ``params[i]``: a tensor of its shape, a float (``lr**2`` for a parameter
+    with no second-moment state), or None where no optimizer holds it (plain variance). A
+    tensor is computed from the optimizer's state when it is read, so that the probes hold
+    one parameter's weights at a time, never a copy of the optimizer's state.
     """
-    weights: dict[int, torch.Tensor | float] = {}
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            lr = float(group.get("lr", 1.0))
-            for p in group["params"]:
-                state = optimizer.state.get(p, {})
-                second = state.get("exp_avg_sq")
-                if second is None:
-                    weights[id(p)] = lr * lr
-                    continue
-                step = float(state.get("step", 0))
-                beta2 = group.get("betas", (0.9, 0.999))[1]
-                correction = 1.0 - beta2**step if step > 0 else 1.0
-                denom = (second.float() / correction).sqrt_().add_(float(group.get("eps", 1e-8)))
-                weights[id(p)] = denom.reciprocal_().square_().mul_(lr * lr)
-    return [weights.get(id(p)) for p in params]
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]):
+        held = {}  # id(parameter) -> (optimizer, its group)
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    held[id(p)] = (optimizer, group)
+        self._sources = [held.get(id(p)) and (p, *held[id(p)]) for p in params]
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        source = self._sources[index]
+        if source is None:
+            return None
+        p, optimizer, group = source
+        lr = float(group.get("lr", 1.0))
+        state = optimizer.state.get(p, {})
+        second = state.get("exp_avg_sq")
+        if second is None:
+            return lr * lr
+        step = float(state.get("step", 0))
+        beta2 = group.get("betas", (0.9, 0.999))[1]
+        correction = 1.0 - beta2**step if step > 0 else 1.0
+        denom = (second.float() / correction).sqrt_().add_(float(group.get("eps", 1e-8)))
+        return denom.reciprocal_().square_().mul_(lr * lr)
+
+
+def update_weights(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]) -> UpdateWeights:
+    """Per parameter, how much its gradient error moves ``optimizers``' next update
+    (:class:`UpdateWeights`, aligned with ``params``)."""
+    return UpdateWeights(optimizers, params)
+
+
+class _Blend(Sequence):
+    """Per parameter, the blend of norms ``sum_j c_j W_j`` (``W_j`` the identity for a norm
+    of None), computed when read."""
+
+    def __init__(self, coefficients: Sequence[float], norms: list, size: int):
+        self._coefficients, self._norms, self._size = list(coefficients), norms, size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, index: int):
+        return sum(c * (1.0 if norm is None or norm[index] is None else norm[index])
+                   for c, norm in zip(self._coefficients, self._norms))
+
+
+class _Subset(Sequence):
+    """``items[indices[i]]`` as item ``i``, read when asked."""
+
+    def __init__(self, items: Sequence, indices: Sequence[int]):
+        self._items, self._indices = items, list(indices)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __getitem__(self, index: int):
+        return self._items[self._indices[index]]
 
 
 #: :func:`probe_sensitivities`' ways to measure: see its ``method``.
@@ -166,12 +213,11 @@ def probe_sensitivities(
         raise ValueError(f"method={method!r} is not supported; allowed: {', '.join(PROBE_METHODS)}")
     if isinstance(directions, bool) or not isinstance(directions, int) or directions < 1:
         raise ValueError(f"directions={directions!r} must be an int >= 1")
-    weights = list(weights) if weights is not None else None
     if weights is not None and len(weights) != len(params):
         raise ValueError(f"weights has {len(weights)} entries for {len(params)} params")
     kept = [i for i, p in enumerate(params) if p.requires_grad]
     params = [params[i] for i in kept]
-    norms = [None] if weights is None else [None, [weights[i] for i in kept]]
+    norms = [None] if weights is None else [None, _Subset(weights, kept)]
     devices = sorted({p.device for p in params if p.device.type == "cuda"}, key=str)
     with torch.random.fork_rng(devices=devices):
         # Every forward of the linearized method draws the same dropout masks.
@@ -187,16 +233,15 @@ def probe_sensitivities(
                   if (width := _probe_width(floors[slot], noise[slot])) is not None}  # else exact at every width
         if method == "linearized":
             linearized = LinearizedProbe(probe, recorder, loss, params, norms)
-            exact = linearized.exact
             for slot, width in probed.items():
                 linearized.add(slot, width)
+            linearized.routed_all()
             whole = [slot for slot in probed if slot in linearized.unrouted]
         else:
-            exact = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
             whole = list(probed)
         # Per slot: what its rounding at the probed width adds, per norm (``measured``) or
         # already blended (``blended``).
-        measured = _measure_whole(probe, loss, params, exact, norms, {slot: probed[slot] for slot in whole})
+        measured = _measure_whole(probe, loss, params, norms, {slot: probed[slot] for slot in whole})
         blended: dict[str, float] = {}
         # Energy of each slot's noise at its reference width (2 bits or its floor), relative
         # to the probed width's: the blend weighs the norms at uniform reference widths.
@@ -218,12 +263,11 @@ def probe_sensitivities(
                 torch.manual_seed(seed)
                 return loss_fn()
 
-            weights_blended = [sum(c * (1.0 if norm is None or norm[i] is None else norm[i])
-                                   for c, norm in zip(coefficients, norms)) for i in range(len(params))]
+            weights_blended = _Blend(coefficients, norms, len(params))
             try:
                 upstream = linearized.upstream(forward, directions, weights_blended)
             except Mismatch:  # the forward is not repeatable: probe every tensor whole
-                measured |= _measure_whole(probe, loss, params, exact, norms, {slot: probed[slot] for slot in routed})
+                measured |= _measure_whole(probe, loss, params, norms, {slot: probed[slot] for slot in routed})
             else:
                 for slot, values in local.items():
                     blended[slot] = sum(c * v for c, v in zip(coefficients, values)) + upstream.get(slot, 0.0)
@@ -254,14 +298,16 @@ def _blend_coefficients(totals: list[float], update_share: float) -> list[float]
     return [(1.0 - update_share) * scale, update_share]
 
 
-def _measure_whole(probe, loss: torch.Tensor, params, exact, norms: list,
-                   widths: dict[str, int]) -> dict[str, list[float]]:
+def _measure_whole(probe, loss: torch.Tensor, params, norms: list, widths: dict[str, int]) -> dict[str, list[float]]:
     """Per slot, per norm: the error of a whole backward with only that slot rounded."""
+    if not widths:
+        return {}
+    exact = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
     measured = {}
     for slot, width in widths.items():
         probe.quantize_only(slot, width)
-        noisy = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-        measured[slot] = _error_energies(noisy, exact, norms).tolist()
+        measured[slot] = energies_of_gradients(params, norms, lambda: torch.autograd.grad(
+            loss, params, retain_graph=True, allow_unused=True), reference=exact).tolist()
     probe.quantize_only(None, 0)
     return measured
 
@@ -273,11 +319,3 @@ def _probe_width(floor: int, noise: Sequence[float]) -> int | None:
     allowed = sorted((b for b in SUPPORTED_BITS if b >= floor), key=lambda b: (b < 2, b))
     energy = dict(zip(SUPPORTED_BITS, noise))
     return next((b for b in allowed if energy[b] > 0.0), None)
-
-
-def _error_energies(noisy, exact, norms: list[list | None]) -> torch.Tensor:
-    """Per norm, the summed squared gradient error between two backward passes. One
-    parameter's error at a time, so the probe's peak memory is one extra parameter, not a
-    copy of the gradient."""
-    errors = ((i, (n - e).float()) for i, (n, e) in enumerate(zip(noisy, exact)) if n is not None and e is not None)
-    return norm_energies(errors, norms, exact[0].device if exact else torch.device("cpu"))

@@ -65,21 +65,24 @@ class Mismatch(RuntimeError):
 
 
 class ForwardRecorder(TorchFunctionMode):
-    """Records the floating-point outputs of every torch function in call order (calls
+    """Indexes the floating-point outputs of every torch function in call order (calls
     that return none do not count).
 
-    ``record`` mode keeps each output that has a gradient function, keyed by its autograd
-    edge ``(grad_fn, output_nr)``; ``compare`` mode hands each wanted output's difference
-    from the recorded one to ``on_difference(call, position, difference)``."""
+    ``record`` mode notes each output that has a gradient function, keyed by its autograd
+    edge ``(grad_fn, output_nr)``, with its shape (no copy of its values: a probe holds
+    none); ``replay`` mode hands each wanted output of a later forward to
+    ``on_output(call, position, output)``."""
 
     def __init__(self):
         super().__init__()
-        self.comparing = False
+        self.replaying = False
         #: (grad_fn, output_nr) -> (call, position) of the output of that edge.
         self.index: dict[tuple, tuple[int, int]] = {}
-        self.recorded: dict[tuple[int, int], torch.Tensor] = {}
+        #: (call, position) -> the shape of that output.
+        self.shapes: dict[tuple[int, int], torch.Size] = {}
+        self.wanted: set[tuple[int, int]] | None = None
         self.signature: list[int] = []  # floating-point outputs per call
-        self.on_difference: Callable[[int, int, torch.Tensor], None] | None = None
+        self.on_output: Callable[[int, int, torch.Tensor], None] | None = None
         self._calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -90,34 +93,31 @@ class ForwardRecorder(TorchFunctionMode):
             return out
         call = self._calls
         self._calls += 1
-        if not self.comparing:
+        if not self.replaying:
             self.signature.append(len(tensors))
             for i, t in tensors:
                 if t.grad_fn is not None:
                     self.index[(t.grad_fn, t.output_nr)] = (call, i)
-                    # A copy, in float32: the output may be written in place later in the forward.
-                    self.recorded[(call, i)] = t.detach().float().clone()
+                    self.shapes[(call, i)] = t.shape
             return out
         if call >= len(self.signature) or self.signature[call] != len(tensors):
             raise Mismatch(f"call {call} of the perturbed forward differs from the recorded one")
         for i, t in tensors:
-            base = self.recorded.get((call, i))
-            if base is not None:
-                if base.shape != t.shape:
-                    raise Mismatch(f"output {i} of call {call} has shape {tuple(t.shape)}, recorded {tuple(base.shape)}")
-                self.on_difference(call, i, t.detach().float() - base)
+            if (call, i) in self.wanted:
+                if self.shapes[(call, i)] != t.shape:
+                    raise Mismatch(f"output {i} of call {call} has shape {tuple(t.shape)}, "
+                                   f"recorded {tuple(self.shapes[(call, i)])}")
+                self.on_output(call, i, t.detach())
         return out
 
-    def compare(self, on_difference: Callable[[int, int, torch.Tensor], None]) -> ForwardRecorder:
-        self.comparing, self.on_difference, self._calls = True, on_difference, 0
+    def replay(self, wanted: set[tuple[int, int]], on_output: Callable[[int, int, torch.Tensor], None]):
+        """Hand the ``wanted`` outputs of the next forward run under this mode to ``on_output``."""
+        self.replaying, self.wanted, self.on_output, self._calls = True, wanted, on_output, 0
         return self
 
     def finish(self) -> None:
-        if self.comparing and self._calls != len(self.signature):
+        if self.replaying and self._calls != len(self.signature):
             raise Mismatch(f"the perturbed forward made {self._calls} calls, the recorded one {len(self.signature)}")
-
-    def keep_only(self, wanted: set[tuple[int, int]]) -> None:
-        self.recorded = {key: value for key, value in self.recorded.items() if key in wanted}
 
 
 def norm_energies(errors: Iterable[tuple[int, torch.Tensor]], norms: list, device: torch.device) -> torch.Tensor:
@@ -135,6 +135,36 @@ def norm_energies(errors: Iterable[tuple[int, torch.Tensor]], norms: list, devic
 
 def _sum_to(error: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return error if error.shape == shape else error.sum_to_size(shape)
+
+
+def _drop_gradient(gradient: torch.Tensor) -> torch.Tensor:
+    return gradient.new_zeros(()).expand(gradient.shape)
+
+
+def energies_of_gradients(params: Sequence[torch.Tensor], norms: list, backward: Callable[[], object],
+                          reference: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Per norm, the summed squared gradient (less ``reference``'s, per parameter) that
+    ``backward`` computes for ``params``, each parameter's taken as it arrives and then
+    dropped: the energies cost one parameter's gradient at a time, not a copy of all."""
+    device = params[0].device
+    totals = torch.zeros(len(norms), dtype=torch.float64, device=device)
+
+    def hook_of(index: int):
+        def hook(gradient: torch.Tensor) -> torch.Tensor:
+            if reference is None:
+                totals.add_(norm_energies([(index, gradient.float())], norms, device))
+            elif reference[index] is not None:
+                totals.add_(norm_energies([(index, (gradient - reference[index]).float())], norms, device))
+            return _drop_gradient(gradient)
+        return hook
+
+    handles = [p.register_hook(hook_of(i)) for i, p in enumerate(params)]
+    try:
+        backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return totals
 
 
 def graph_nodes(root) -> list:
@@ -162,15 +192,18 @@ class LinearizedProbe:
         self._param_index = {id(p): i for i, p in enumerate(self.params)}
         self._received: dict = {}  # node -> its incoming gradients, in the order backward ran them
         handles = [node.register_prehook(self._receive(node)) for node in graph_nodes(loss.grad_fn)]
+        # The parameters' gradients are not needed, only what reaches each node: each is
+        # dropped as it arrives (a one-element view is returned instead), so the probe does
+        # not hold a copy of the gradient.
+        handles += [p.register_hook(_drop_gradient) for p in self.params]
         probe.readers = {}
         try:
-            self.exact = torch.autograd.grad(loss, self.params, retain_graph=True, allow_unused=True)
+            torch.autograd.grad(loss, self.params, retain_graph=True, allow_unused=True)
         finally:
             self.readers, probe.readers = probe.readers, None
             for handle in handles:
                 handle.remove()
         self._order = {node: i for i, node in enumerate(self._received)}
-        self._exact_calls: dict = {}
         #: per slot: the squared error of the parameters its readers write, per norm (a
         #: device tensor).
         self.local: dict[str, torch.Tensor] = {}
@@ -199,16 +232,23 @@ class LinearizedProbe:
         errors = []
         for node in readers:
             grad_outputs = self._received[node]
-            if node not in self._exact_calls:
-                self._exact_calls[node] = self._call(node, grad_outputs)
+            # The exact call again for each slot, not kept between slots: a convolution's
+            # returns a weight's gradient, and kept for every reader they would be a copy of
+            # the whole gradient.
+            exact = self._call(node, grad_outputs)
             self.probe.quantize_only(slot, bits, decoded)
             try:
                 noisy = self._call(node, grad_outputs)
             finally:
                 self.probe.quantize_only(None, 0)
-            errors += [(edge, n - e) for edge, n, e in zip(node.next_functions, noisy, self._exact_calls[node])
+            errors += [(edge, n - e) for edge, n, e in zip(node.next_functions, noisy, exact)
                        if n is not None and e is not None]
+            del exact, noisy
         self._route(slot, errors)
+
+    def routed_all(self) -> None:
+        """Step 2 is done: the exact backward's gradients are no longer needed."""
+        self._received = {}
 
     def _route(self, slot: str, errors: list) -> None:
         """Follows ``[((node, output_nr), error)]`` to parameters and recorded activations.
@@ -231,7 +271,7 @@ class LinearizedProbe:
                 return True
             key = self.recorder.index.get((node, output_nr))
             if key is not None:
-                self.errors.setdefault(key, []).append((slot, _sum_to(error, self.recorder.recorded[key].shape).float()))
+                self.errors.setdefault(key, []).append((slot, _sum_to(error, self.recorder.shapes[key]).float()))
                 return True
             received = self._received.get(node)
             if received is None or received[output_nr] is None:
@@ -281,65 +321,91 @@ class LinearizedProbe:
             grad_outputs.append(sum(signs[slot] * math.sqrt(factors[slot]) * error for slot, error in entries))
         if not outputs:
             return torch.zeros(len(self.norms), dtype=torch.float64)
-        back = torch.autograd.grad(outputs, self.params, grad_outputs, retain_graph=True, allow_unused=True)
-        return norm_energies(((i, g) for i, g in enumerate(back) if g is not None), self.norms,
-                             self.params[0].device).cpu()
+        return energies_of_gradients(self.params, self.norms, lambda: torch.autograd.grad(
+            outputs, self.params, grad_outputs, retain_graph=True, allow_unused=True)).cpu()
 
     def upstream(self, forward: Callable[[], object], directions: int, weights: Sequence) -> dict[str, float]:
         """Step 3: per slot, the mean over directions ``z ~ N(0, W)`` of ``<J^T z, d>**2``,
         ``W`` given per parameter by ``weights`` (a tensor of its shape, a float, or None
         for 1).
 
-        The directions are fixed, like the probes' rounding seeds, so that the same model
-        and batch measure the same."""
-        self.recorder.keep_only(set(self.errors))
+        ``<J^T z, d>`` is the finite difference of ``<f(theta), d>`` along ``z``, with ``f`` the
+        recorded activations. The products are taken as each forward returns its
+        activations, in float64, the one at the parameters as they are by one more forward:
+        no forward's activations are kept, and every forward runs without a graph. The
+        directions are fixed, like the probes' rounding seeds, so that the same model and
+        batch measure the same."""
         slots = sorted({slot for entries in self.errors.values() for slot, _ in entries})
         if not slots:  # every error is local
             return {}
         position = {slot: k for k, slot in enumerate(slots)}
         # Per activation: its slots' errors as the rows of one matrix, so that one product
-        # gives every slot's <J^T z, d> there.
-        self._stacked = {key: (torch.tensor([position[slot] for slot, _ in entries], device=entries[0][1].device),
-                               torch.stack([error.reshape(-1) for _, error in entries]))
-                         for key, entries in self.errors.items()}
-        self.errors = {}
-        means = torch.zeros(len(slots), dtype=torch.float64, device=self.params[0].device)  # read once, at the end
+        # gives every slot's <f, d> there.
+        stacked = {}
+        for key in list(self.errors):
+            entries = self.errors.pop(key)
+            stacked[key] = (torch.tensor([position[slot] for slot, _ in entries], device=entries[0][1].device),
+                            torch.stack([error.reshape(-1) for _, error in entries]))
+            del entries
+        device = self.params[0].device
+        products = torch.zeros(len(slots), dtype=torch.float64, device=device)
+
+        def on_output(call: int, position: int, output: torch.Tensor) -> None:
+            rows, errors = stacked[(call, position)]
+            products.index_add_(0, rows, _float64_products(errors, output.reshape(-1)))
+
+        def products_at_parameters() -> torch.Tensor:
+            products.zero_()
+            with torch.no_grad(), self.recorder.replay(set(stacked), on_output):
+                forward()
+            self.recorder.finish()
+            return products.clone()
+
+        base = products_at_parameters()
+        means = torch.zeros(len(slots), dtype=torch.float64, device=device)  # read once, at the end
         scale = sum(p.detach().double().square().sum() for p in self.params).sqrt()  # the parameters' norm
-        deviations = [None if w is None else torch.as_tensor(w, dtype=torch.float32, device=p.device).sqrt()
-                      for p, w in zip(self.params, weights)]
         generator = torch.Generator().manual_seed(0)
-        saved = [p.detach().clone() for p in self.params]
+        originals = [p.data for p in self.params]
         try:
             for _ in range(directions):
-                means += self._direction(forward, deviations, generator, len(slots), scale, saved).square()
+                eps = self._perturb(weights, generator, scale, originals)
+                if eps is None:  # every weight is zero: no error counts
+                    continue
+                means += ((products_at_parameters() - base) / eps).square()
+                for p, value in zip(self.params, originals):
+                    p.data = value
         finally:
-            with torch.no_grad():
-                for p, value in zip(self.params, saved):
-                    p.copy_(value)
+            for p, value in zip(self.params, originals):
+                p.data = value
         return dict(zip(slots, (means / directions).tolist()))
 
-    def _direction(self, forward, deviations: list, generator: torch.Generator, slots: int, scale: torch.Tensor,
-                   saved: list[torch.Tensor]) -> torch.Tensor:
-        draws = torch.randn(sum(p.numel() for p in self.params), generator=generator).split(
-            [p.numel() for p in self.params])
-        steps = []
-        for p, z, deviation in zip(self.params, draws, deviations):
-            z = z.view(p.shape).to(p.device)
-            steps.append(z if deviation is None else z * deviation)
-        length = sum(s.double().square().sum() for s in steps).sqrt()
-        dots = torch.zeros(slots, dtype=torch.float64, device=self.params[0].device)
-        if length == 0:  # every weight is zero: no error counts
-            return dots
+    def _perturb(self, weights: Sequence, generator: torch.Generator, scale: torch.Tensor,
+                 originals: list[torch.Tensor]) -> float | None:
+        """Moves the parameters to ``originals + eps * z`` for a new direction ``z ~ N(0, W)``,
+        one parameter at a time, and returns ``eps``. The originals stay as they are (the
+        parameters get new tensors): restoring them is exact, and the probe holds one
+        perturbed copy of the parameters, not the draws, the steps and a saved copy too."""
+        def steps():
+            for i, (p, value) in enumerate(zip(self.params, originals)):
+                z = torch.randn(p.shape, generator=generator).to(p.device)
+                weight = weights[i]
+                yield value, (z if weight is None else z.mul_(torch.as_tensor(weight, device=p.device).sqrt()))
+
+        state = generator.get_state()
+        length = sum(step.double().square().sum() for _, step in steps()).sqrt()
+        if length == 0:
+            return None
         eps = float(RELATIVE_STEP * scale / length)
+        generator.set_state(state)  # the same draws again, now applied
+        for p, (value, step) in zip(self.params, steps()):
+            p.data = value + step.to(value.dtype) * eps
+        return eps
 
-        def on_difference(call: int, position: int, difference: torch.Tensor) -> None:
-            rows, errors = self._stacked[(call, position)]
-            dots.index_add_(0, rows, (errors @ difference.reshape(-1)).double() / eps)
 
-        with torch.no_grad():
-            for p, value, step in zip(self.params, saved, steps):
-                p.copy_(value).add_(step.to(p.dtype), alpha=eps)
-        with self.recorder.compare(on_difference):
-            forward()
-        self.recorder.finish()
-        return dots
+def _float64_products(rows: torch.Tensor, vector: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+    """``rows @ vector`` in float64, a chunk of columns at a time: a finite difference of two
+    such products cancels all but a thousandth of them."""
+    total = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
+    for start in range(0, vector.numel(), chunk):
+        total += rows[:, start:start + chunk].double() @ vector[start:start + chunk].double()
+    return total
