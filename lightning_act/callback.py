@@ -126,7 +126,9 @@ class ActCompression(Callback):
         recalibrate_every_n_steps: optimizer steps between recalibrations.
         warmup_steps: optimizer steps at the default bits before the first calibration.
         calibration_steps: training steps whose statistics feed one ``"gradient"`` estimate.
-        probe_samples: batch rows the ``"probe"`` estimator uses.
+        probe_samples: batch rows the ``"probe"`` estimator uses at most: fewer where the
+            probes would peak above the last step (then none: the ``"gradient"`` estimator
+            measures that recalibration).
 
     Raises:
         ValueError: a setting is out of range; the message names it and what is allowed.
