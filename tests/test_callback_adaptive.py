@@ -159,3 +159,45 @@ def test_allocation_table_shows_the_batch_and_the_bytes_of_its_bits(tmp_path):
         stored_by_bits.setdefault(row[4], set()).add(float(row[7]) / float(row[6]))
     ratios = sorted((min(v), k) for k, v in stored_by_bits.items() if k != "exact")
     assert [int(k) for _, k in ratios] == sorted(int(k) for _, k in ratios)  # more bits, more bytes per value
+
+
+class StepPeaks(Callback):
+    """Placed after ActCompression: the peak it measured for each step."""
+
+    def __init__(self, act):
+        self.act, self.peaks = act, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.peaks.append(self.act.last_peak_bytes)
+
+
+@pytest.mark.slow  # 5 s
+def test_a_recalibration_step_peaks_no_higher_than_the_steady_step(tmp_path, caplog):
+    """The probes are counted in their step's peak, and run on as many rows as fit what the
+    last step left: the steps that probe peak within 5% of the rest."""
+    from tests.test_memory_target import _live_counter
+
+    _live_counter()
+    act = ActCompression(budget=2.0, warmup_steps=0, recalibrate_every_n_steps=2, min_numel=256)
+    peaks = StepPeaks(act)
+    with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
+        trainer_for(tmp_path, [act, peaks], 8, enable_checkpointing=False).fit(SmallCNN(), loader())
+    assert act.recalibration_steps[0] == 2  # sized by a measured step after the fit's first
+    probed = [r.getMessage() for r in caplog.records if "probing the saved tensors" in r.getMessage()]
+    assert probed and all(" samples of the batch" in line for line in probed), probed
+    steady = sorted(peaks.peaks[1:])[len(peaks.peaks[1:]) // 2]
+    assert max(peaks.peaks[1:]) <= 1.05 * steady, (peaks.peaks, act.recalibration_steps)
+
+
+def test_probe_rows_follow_the_batch_and_the_measured_cost():
+    from lightning_act.callback import ProbeCost, _batch_rows
+
+    assert _batch_rows(torch.zeros(12, 3)) == 12
+    assert _batch_rows({"x": torch.zeros(()), "y": [torch.zeros(5, 2)]}) == 5
+    assert _batch_rows(object()) is None  # a graph batch: the probes take it whole
+    cost = ProbeCost()
+    cost.parameter_bytes = 1000
+    first = cost.predict(4, 100.0)
+    assert first == pytest.approx(ProbeCost.PER_ROW * 400 + ProbeCost.FIXED * 1000)
+    cost.observe(4, 100.0, int(2 * first))  # the probe held twice the prediction
+    assert cost.predict(4, 100.0) == pytest.approx(2 * first)

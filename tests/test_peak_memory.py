@@ -134,3 +134,19 @@ def test_the_step_that_surveys_group_axes_peaks_with_the_steps_after_it(peak_mem
             loss.backward()
         peaks.append(peak_memory.replay(prof.profiler.kineto_results.experimental_event_tree()).peak_bytes)
     assert peaks[0] <= 1.05 * peaks[1]
+
+
+def test_the_peak_of_work_within_a_step_keeps_the_steps_peak():
+    from lightning_act.monitor import StepPeakMemory
+
+    meter = StepPeakMemory(torch.device("cpu"))
+    if not meter.exact:
+        pytest.skip("the CPU kernels are not built (LIGHTNING_ACT_KERNELS=reference)")
+    meter.start()
+    early = torch.ones(1 << 20)  # 4 MiB, freed before the work
+    step_peak = meter.peak_bytes()
+    del early
+    result, held = meter.peak_of(lambda: torch.ones(1 << 18).sum())  # 1 MiB at most
+    assert result == 1 << 18
+    assert 1 << 20 <= held < 2 << 20
+    assert meter.peak_bytes() >= step_peak  # the 4 MiB before the work stay in the step's peak
