@@ -679,7 +679,7 @@ class ProbeCost:
     probe's measured peak rescales the prediction for the next."""
 
     #: Bytes per row, per saved byte of one row of the step.
-    PER_ROW = 4.0
+    PER_ROW = 2.0
     #: Fixed bytes, per byte of the trainable parameters.
     FIXED = 1.8
 

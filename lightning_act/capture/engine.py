@@ -134,10 +134,11 @@ class Probe:
         self.bits = bits
         self.decoded = decoded
 
-    def decode(self, slot: str, bits: int) -> torch.Tensor:
-        """``slot``'s held tensor rounded once at ``bits``, as its record would decode it."""
+    def decode(self, slot: str, bits: int, seed: int | None = None) -> torch.Tensor:
+        """``slot``'s held tensor rounded once at ``bits`` (with ``seed``, else the next
+        one), as its record would decode it."""
         dense, codec, group_axis = self._held[slot]
-        return codec.pack(dense, bits, self.next_seed(), group_axis).unpack()
+        return codec.pack(dense, bits, self.next_seed() if seed is None else seed, group_axis).unpack()
 
     def next_seed(self) -> int:
         self._draws += 1

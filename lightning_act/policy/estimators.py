@@ -233,9 +233,7 @@ def probe_sensitivities(
                   if (width := _probe_width(floors[slot], noise[slot])) is not None}  # else exact at every width
         if method == "linearized":
             linearized = LinearizedProbe(probe, recorder, loss, params, norms)
-            for slot, width in probed.items():
-                linearized.add(slot, width)
-            linearized.routed_all()
+            linearized.measure(probed)
             whole = [slot for slot in probed if slot in linearized.unrouted]
         else:
             whole = list(probed)

@@ -58,6 +58,8 @@ RELATIVE_STEP = 1e-3
 #: How many nodes a tensor's errors are followed through, at most, to reach the activations
 #: that torch functions returned.
 MAX_CALLS = 64
+#: The dtype the errors routed to activations are held in until the directional forwards.
+ERROR_DTYPE = torch.bfloat16
 
 
 class Mismatch(RuntimeError):
@@ -181,29 +183,29 @@ def graph_nodes(root) -> list:
 
 
 class LinearizedProbe:
-    """Steps 1 to 3 for one probed forward: build it, then call :meth:`sensitivities`."""
+    """Steps 1 to 3 for one probed forward: build it, :meth:`measure` the slots, then
+    :meth:`upstream`.
+
+    No backward's gradients are held: a first backward records the order its nodes run in,
+    the metadata of what reaches each and which nodes read each slot; a second one calls
+    each reader, from its pre-hook, on what reaches it as it runs (step 2)."""
 
     def __init__(self, probe, recorder: ForwardRecorder, loss: torch.Tensor, params: Sequence[torch.Tensor],
                  norms: list):
         self.probe = probe
         self.recorder = recorder
+        self.loss = loss
         self.params = list(params)
         self.norms = norms  # per norm: None (plain) or a weight per parameter
         self._param_index = {id(p): i for i, p in enumerate(self.params)}
-        self._received: dict = {}  # node -> its incoming gradients, in the order backward ran them
-        handles = [node.register_prehook(self._receive(node)) for node in graph_nodes(loss.grad_fn)]
-        # The parameters' gradients are not needed, only what reaches each node: each is
-        # dropped as it arrives (a one-element view is returned instead), so the probe does
-        # not hold a copy of the gradient.
-        handles += [p.register_hook(_drop_gradient) for p in self.params]
+        # node -> the (shape, dtype, device) of each gradient reaching it, in the order backward ran them
+        self._arriving: dict = {}
         probe.readers = {}
         try:
-            torch.autograd.grad(loss, self.params, retain_graph=True, allow_unused=True)
+            self._backward({node: self._note_arrivals(node) for node in graph_nodes(loss.grad_fn)})
         finally:
             self.readers, probe.readers = probe.readers, None
-            for handle in handles:
-                handle.remove()
-        self._order = {node: i for i, node in enumerate(self._received)}
+        self._order = {node: i for i, node in enumerate(self._arriving)}
         #: per slot: the squared error of the parameters its readers write, per norm (a
         #: device tensor).
         self.local: dict[str, torch.Tensor] = {}
@@ -212,9 +214,21 @@ class LinearizedProbe:
         #: Slots whose errors could not all be followed to a recorded activation.
         self.unrouted: set[str] = set()
 
-    def _receive(self, node):
+    def _backward(self, prehooks: dict) -> None:
+        """The exact backward on the slice with ``prehooks`` (node -> hook). The parameters'
+        gradients are not needed, only what reaches each node: each is dropped as it arrives
+        (a one-element view is returned instead)."""
+        handles = [node.register_prehook(hook) for node, hook in prehooks.items()]
+        handles += [p.register_hook(_drop_gradient) for p in self.params]
+        try:
+            torch.autograd.grad(self.loss, self.params, retain_graph=True, allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _note_arrivals(self, node):
         def hook(grad_outputs):
-            self._received[node] = grad_outputs
+            self._arriving[node] = [None if g is None else (g.shape, g.dtype, g.device) for g in grad_outputs]
         return hook
 
     def _call(self, node, grad_outputs) -> tuple:
@@ -222,33 +236,45 @@ class LinearizedProbe:
             result = node(*grad_outputs)
         return result if isinstance(result, tuple) else (result,)
 
-    def add(self, slot: str, bits: int) -> None:
-        """Step 2 for ``slot`` rounded at ``bits``: its readers' errors, routed."""
-        readers = self.readers.get(slot, [])
-        if not readers or any(node not in self._received for node in readers):
-            self.unrouted.add(slot)
-            return
-        decoded = self.probe.decode(slot, bits)
-        errors = []
-        for node in readers:
-            grad_outputs = self._received[node]
-            # The exact call again for each slot, not kept between slots: a convolution's
-            # returns a weight's gradient, and kept for every reader they would be a copy of
-            # the whole gradient.
-            exact = self._call(node, grad_outputs)
-            self.probe.quantize_only(slot, bits, decoded)
-            try:
-                noisy = self._call(node, grad_outputs)
-            finally:
-                self.probe.quantize_only(None, 0)
-            errors += [(edge, n - e) for edge, n, e in zip(node.next_functions, noisy, exact)
-                       if n is not None and e is not None]
-            del exact, noisy
-        self._route(slot, errors)
+    def measure(self, widths: dict[str, int]) -> None:
+        """Step 2 for every slot, rounded at its width: its readers' errors, routed."""
+        by_reader: dict = {}
+        waiting: dict[str, int] = {}  # slot -> readers still to run
+        seeds: dict[str, int] = {}
+        for slot in widths:
+            readers = self.readers.get(slot, [])
+            if not readers or any(node not in self._order for node in readers):
+                self.unrouted.add(slot)
+                continue
+            waiting[slot] = len(readers)
+            seeds[slot] = self.probe.next_seed()  # drawn in the slots' order, whatever order backward reads them in
+            for node in readers:
+                by_reader.setdefault(node, []).append(slot)
+        decoded: dict[str, torch.Tensor] = {}
+        errors: dict[str, list] = {}
 
-    def routed_all(self) -> None:
-        """Step 2 is done: the exact backward's gradients are no longer needed."""
-        self._received = {}
+        def reads(node):
+            def hook(grad_outputs):
+                for slot in by_reader[node]:
+                    if slot not in decoded:
+                        decoded[slot] = self.probe.decode(slot, widths[slot], seeds[slot])
+                    exact = self._call(node, grad_outputs)
+                    self.probe.quantize_only(slot, widths[slot], decoded[slot])
+                    try:
+                        noisy = self._call(node, grad_outputs)
+                    finally:
+                        self.probe.quantize_only(None, 0)
+                    errors.setdefault(slot, []).extend(
+                        (edge, n - e) for edge, n, e in zip(node.next_functions, noisy, exact)
+                        if n is not None and e is not None)
+                    del exact, noisy
+                    waiting[slot] -= 1
+                    if not waiting[slot]:  # its last reader: routed now, its copies dropped
+                        del decoded[slot]
+                        self._route(slot, errors.pop(slot))
+            return hook
+
+        self._backward({node: reads(node) for node in by_reader})
 
     def _route(self, slot: str, errors: list) -> None:
         """Follows ``[((node, output_nr), error)]`` to parameters and recorded activations.
@@ -271,14 +297,17 @@ class LinearizedProbe:
                 return True
             key = self.recorder.index.get((node, output_nr))
             if key is not None:
-                self.errors.setdefault(key, []).append((slot, _sum_to(error, self.recorder.shapes[key]).float()))
+                # Kept in bfloat16, float32's range at half its bytes: every error is only ever
+                # read in sums of products with other vectors, which its rounding (a 2**-9
+                # relative error per element, unbiased across elements) does not move.
+                self.errors.setdefault(key, []).append((slot, _sum_to(error, self.recorder.shapes[key]).to(ERROR_DTYPE)))
                 return True
-            received = self._received.get(node)
-            if received is None or received[output_nr] is None:
+            arriving = self._arriving.get(node)
+            if arriving is None or arriving[output_nr] is None:
                 return False
             # Called directly, a node returns the gradient of a broadcast input unreduced; the
             # engine would sum it to the input's shape.
-            error = _sum_to(error, received[output_nr].shape)
+            error = _sum_to(error, arriving[output_nr][0])
             waiting = pending.setdefault(node, {})
             waiting[output_nr] = waiting[output_nr] + error if output_nr in waiting else error
             return True
@@ -291,7 +320,7 @@ class LinearizedProbe:
                 routed = False
                 break
             calls += 1
-            alone = [None if g is None else torch.zeros_like(g) for g in self._received[node]]
+            alone = [None if g is None else torch.zeros(g[0], dtype=g[1], device=g[2]) for g in self._arriving[node]]
             for output_nr, error in pending.pop(node).items():
                 alone[output_nr] = error
             for (next_node, next_nr), passed in zip(node.next_functions, self._call(node, alone)):
@@ -315,14 +344,34 @@ class LinearizedProbe:
         slots = sorted({slot for entries in self.errors.values() for slot, _ in entries})
         signs = dict(zip(slots, (torch.randint(0, 2, (len(slots),), generator=generator) * 2 - 1).tolist()))
         edges = {key: edge for edge, key in self.recorder.index.items() if key in self.errors}
-        outputs, grad_outputs = [], []
-        for key, entries in self.errors.items():
-            outputs.append(GradientEdge(*edges[key]))
-            grad_outputs.append(sum(signs[slot] * math.sqrt(factors[slot]) * error for slot, error in entries))
-        if not outputs:
+        if not edges:
             return torch.zeros(len(self.norms), dtype=torch.float64)
-        return energies_of_gradients(self.params, self.norms, lambda: torch.autograd.grad(
-            outputs, self.params, grad_outputs, retain_graph=True, allow_unused=True)).cpu()
+        # The backward starts from every activation with a zero gradient that costs nothing (a
+        # stride-0 view); each activation's signed errors are added only as its node runs.
+        by_node: dict = {}
+        for key, (node, output_nr) in edges.items():
+            by_node.setdefault(node, []).append((output_nr, key))
+
+        def injects(node):
+            def hook(grad_outputs):
+                grad_outputs = list(grad_outputs)
+                for output_nr, key in by_node[node]:
+                    signed = sum(signs[slot] * math.sqrt(factors[slot]) * error.float() for slot, error in self.errors[key])
+                    arriving = grad_outputs[output_nr]
+                    grad_outputs[output_nr] = signed.to(arriving.dtype) + arriving
+                return tuple(grad_outputs)
+            return hook
+
+        outputs = [GradientEdge(*edge) for edge in edges.values()]
+        zeros = [torch.zeros((), device=self.errors[key][0][1].device).expand(
+            self.recorder.shapes[key]) for key in edges]
+        handles = [node.register_prehook(injects(node)) for node in by_node]
+        try:
+            return energies_of_gradients(self.params, self.norms, lambda: torch.autograd.grad(
+                outputs, self.params, zeros, retain_graph=True, allow_unused=True)).cpu()
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def upstream(self, forward: Callable[[], object], directions: int, weights: Sequence) -> dict[str, float]:
         """Step 3: per slot, the mean over directions ``z ~ N(0, W)`` of ``<J^T z, d>**2``,
@@ -402,9 +451,9 @@ class LinearizedProbe:
         return eps
 
 
-def _float64_products(rows: torch.Tensor, vector: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
-    """``rows @ vector`` in float64, a chunk of columns at a time: a finite difference of two
-    such products cancels all but a thousandth of them."""
+def _float64_products(rows: torch.Tensor, vector: torch.Tensor, chunk: int = 1 << 16) -> torch.Tensor:
+    """``rows @ vector`` in float64, a chunk of columns at a time (the float64 copies stay
+    small): a finite difference of two such products cancels all but a thousandth of them."""
     total = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
     for start in range(0, vector.numel(), chunk):
         total += rows[:, start:start + chunk].double() @ vector[start:start + chunk].double()
