@@ -844,6 +844,19 @@ def test_a_complex_parameters_view_is_a_parameter_not_stored_memory():
     assert capture.report.modules["Spectral"].stored_bytes == 64 * 32 * 33 * 8
 
 
+def test_a_parameters_view_in_another_dtype_is_the_parameter_and_a_cast_copy_is_kept():
+    """Memory decides, not the dtype: a spectral layer's ``view_as_complex`` of its real
+    weight shares the weight's storage and costs nothing; a cast is a copy of its own."""
+    weight = torch.nn.Parameter(torch.randn(32, 32, 16, 2))
+    spectrum = torch.randn(8, 32, 16, dtype=torch.cfloat, requires_grad=True)
+    kinds = [d.kind for d in saves_of(lambda: torch.einsum("bin,oin->bon", spectrum, torch.view_as_complex(weight)))]
+    assert Kind.PARAMETER in kinds and Kind.CAST_PARAMETER not in kinds, kinds
+    x = grad_input(8, 64)
+    linear = torch.nn.Parameter(torch.randn(64, 64))
+    kinds = [d.kind for d in saves_of(lambda: x.double() @ linear.double())]
+    assert Kind.CAST_PARAMETER in kinds or Kind.RECAST_WEIGHT in kinds, kinds
+
+
 def _gradient_with_and_without(forward, x: torch.Tensor):
     """``x``'s gradient through ``forward`` exactly and with every save captured at 2 bits,
     and the capture's report."""

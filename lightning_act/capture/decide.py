@@ -966,7 +966,11 @@ def decide(
         if param is not None:
             if recastable:
                 return Decision(Kind.RECAST_WEIGHT, parameter=param)
-            return _PARAMETER if param.dtype == t.dtype else _CAST_PARAMETER
+            # Memory decides, not the dtype: a view of the parameter's own storage (a
+            # spectral layer's ``view_as_complex`` of its real weight) costs nothing; a cast
+            # or a clone is a copy of its own, kept.
+            shares = t.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
+            return _PARAMETER if shares else _CAST_PARAMETER
     if external:
         return _EXTERNAL
     if unseen and floating:
