@@ -59,9 +59,11 @@ class ActCompression(Callback):
 
     Logged under ``act/``: every step, ``saved_mib`` (what the forward's saved tensors would
     have kept), ``stored_mib`` (what is stored instead), ``compression_ratio`` and
-    ``peak_mib``, the step's peak memory (forward, backward and optimizer step; absolute, so
-    the model and optimizer state are in it): ``torch.cuda.max_memory_allocated`` on a GPU,
-    whose peak statistics are reset at every step start; on a Linux CPU the process's
+    ``peak_mib``, the step's peak memory from the callback's first act in the step (a
+    recalibration's probes, forward, backward and optimizer step; absolute, so the model and
+    optimizer state are in it): ``torch.cuda.max_memory_allocated`` on a GPU, whose peak
+    statistics are reset at every step start; on a CPU the live tensors (a counter around
+    the CPU allocator, installed with the kernels), else on Linux the process's
     resident-memory high-water mark, which includes what the C allocator caches; absent
     elsewhere. Every ``log_every_n_steps``, per module: ``saved_mib/<module>``,
     ``stored_mib/<module>`` and ``bits/<module>`` (element-weighted mean bits), for every

@@ -185,8 +185,9 @@ def test_a_recalibration_step_peaks_no_higher_than_the_steady_step(tmp_path, cap
     assert act.recalibration_steps[0] == 2  # sized by a measured step after the fit's first
     probed = [r.getMessage() for r in caplog.records if "probing the saved tensors" in r.getMessage()]
     assert probed and all(" samples of the batch" in line for line in probed), probed
-    steady = sorted(peaks.peaks[1:])[len(peaks.peaks[1:]) // 2]
-    assert max(peaks.peaks[1:]) <= 1.05 * steady, (peaks.peaks, act.recalibration_steps)
+    # Each probing step against the next, which runs at the plan the probes chose.
+    assert all(peaks.peaks[s] <= 1.05 * peaks.peaks[s + 1] for s in act.recalibration_steps if s + 1 < 8), (
+        peaks.peaks, act.recalibration_steps)
 
 
 def test_probe_rows_follow_the_batch_and_the_measured_cost():
