@@ -3,7 +3,8 @@
 A user sizes the batch to the peak a compressed step reaches; that peak has to hold on every
 step, the steps whose probes re-measure the tensors' sensitivity (``budget=``) or whose plan
 moves (``memory_target=``) as well as the steady ones. For each model this runs short
-Lightning fits (Adam, the model's own fixed batch every step) and reads each step's peak:
+Lightning fits (Adam, the model's own fixed batch every step), each in a process of its own,
+and reads each step's peak:
 
 * ``library``: what :class:`~lightning_act.ActCompression` logs as ``act/peak_mib``;
 * ``profiler``: independently of the library, the profiler's allocation events replayed in
@@ -28,10 +29,11 @@ two figures and the verdicts of the targets:
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
-import gc
 import json
 import logging
+import multiprocessing
 import sys
 import warnings
 from pathlib import Path
@@ -120,9 +122,19 @@ def _live_bytes(model: torch.nn.Module) -> int:
     return torch.ops.lightning_act.live_memory_read()[0] + StepPeakMemory(torch.device("cpu"), model)._untracked
 
 
-def fit(name: str, steps: int, device: torch.device, data_dir: Path, act: ActCompression | None,
-        compiled: bool) -> dict:
-    gc.collect()
+def fit(name: str, steps: int, device: torch.device, data_dir: Path, settings: dict | None, compiled: bool) -> dict:
+    """One fit, in a process of its own: what an earlier fit leaves behind (compiled code,
+    objects in reference cycles, the allocator's state) is not in its peaks."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(_fit, name, steps, str(device), data_dir, settings, compiled).result()
+
+
+def _fit(name: str, steps: int, device: str, data_dir: Path, settings: dict | None, compiled: bool) -> dict:
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    device = torch.device(device)
+    act = None if settings is None else ActCompression(**settings)
     workload = build(name, MODELS[name].batch, device, data_dir)
     task = _Task(workload, steps)
     if compiled:
@@ -143,11 +155,11 @@ def fit(name: str, steps: int, device: torch.device, data_dir: Path, act: ActCom
 
 def measure(name: str, steps: int, every: int, device: torch.device, data_dir: Path, compiled: bool) -> dict:
     none = fit(name, steps, device, data_dir, None, compiled)
-    bits2 = fit(name, steps, device, data_dir, ActCompression(bits=2), compiled)
-    budget = fit(name, steps, device, data_dir, ActCompression(
-        budget=2, warmup_steps=0, recalibrate_every_n_steps=every), compiled)
+    bits2 = fit(name, steps, device, data_dir, {"bits": 2}, compiled)
+    budget = fit(name, steps, device, data_dir, {"budget": 2, "warmup_steps": 0, "recalibrate_every_n_steps": every},
+                 compiled)
     target_mib = round((bits2["profiler_mib"][-1] + none["profiler_mib"][-1]) / 2, 2)
-    target = fit(name, steps, device, data_dir, ActCompression(memory_target=int(target_mib * MIB)), compiled)
+    target = fit(name, steps, device, data_dir, {"memory_target": int(target_mib * MIB)}, compiled)
     target["target_mib"] = target_mib
     uncompressed = max(none["profiler_mib"])
     # Each recalibration step against the next, which runs at the plan it chose.

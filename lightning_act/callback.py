@@ -488,7 +488,7 @@ class ActCompression(Callback):
         whole = _batch_rows(batch) is None
         rank_zero_info(
             f"lightning_act: recalibrating the bits at step {trainer.global_step}: probing the saved tensors "
-            f"({_PROBE_METHODS[self.estimator]}) on " + ("the whole batch" if whole else f"{rows} samples of the batch")
+            f"({_PROBE_METHODS[self.estimator]}) on " + ("the whole batch" if whole else f"{rows} sample{'s' * (rows > 1)} of the batch")
             + ("" if whole or rows == self.probe_samples else " (as many as fit the memory the last step left)")
         )
 

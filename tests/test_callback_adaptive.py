@@ -184,7 +184,7 @@ def test_a_recalibration_step_peaks_no_higher_than_the_steady_step(tmp_path, cap
         trainer_for(tmp_path, [act, peaks], 8, enable_checkpointing=False).fit(SmallCNN(), loader())
     assert act.recalibration_steps[0] == 2  # sized by a measured step after the fit's first
     probed = [r.getMessage() for r in caplog.records if "probing the saved tensors" in r.getMessage()]
-    assert probed and all(" samples of the batch" in line for line in probed), probed
+    assert probed and all(" of the batch" in line for line in probed), probed
     # Each probing step against the next, which runs at the plan the probes chose.
     assert all(peaks.peaks[s] <= 1.05 * peaks.peaks[s + 1] for s in act.recalibration_steps if s + 1 < 8), (
         peaks.peaks, act.recalibration_steps)
