@@ -115,11 +115,11 @@ class _StepEnds(L.Callback):
 
 
 def _live_bytes(model: torch.nn.Module) -> int:
-    """Live tensors now: the library's CPU allocator counter (installed with its kernels)
-    plus what was allocated before it was installed (the parameters and buffers)."""
+    """Live tensors now: the CPU allocator counter installed with the library's kernels, plus
+    what was allocated before it was installed (the parameters and buffers)."""
     from lightning_act.monitor import StepPeakMemory
 
-    return torch.ops.lightning_act.live_memory_read()[0] + StepPeakMemory(torch.device("cpu"), model)._untracked
+    return StepPeakMemory(torch.device("cpu"), model).live_bytes()
 
 
 def fit(name: str, steps: int, device: torch.device, data_dir: Path, settings: dict | None, compiled: bool) -> dict:

@@ -45,6 +45,8 @@ LOG_PREFIX = "act"
 ESTIMATORS = ("gradient", "probe", "probe_per_tensor")
 # The probes' method in probe_sensitivities, per estimator.
 _PROBE_METHODS = {"probe": "linearized", "probe_per_tensor": "per_tensor"}
+#: How much higher than the steps around it a recalibration step may peak.
+PROBE_SLACK = 1.05
 #: Rows of the end-of-fit summary; past them, the full table goes to the log directory.
 SUMMARY_ROWS = 20
 
@@ -454,18 +456,23 @@ class ActCompression(Callback):
             if rows:
                 self._recalibrate_by_probes(trainer, pl_module, batch, batch_idx, rows)
                 return
-            rank_zero_info(
-                f"lightning_act: recalibrating the bits at step {trainer.global_step} from the gradients of the next "
-                f"{self.calibration_steps} steps: probes on even one sample would need more than the "
-                f"{self._probe_room() / MIB:.1f} MiB the last step left"
-            )
+            too_large = (f"probes on even one sample would need more than the {self._probe_room() / MIB:.1f} MiB "
+                         "the last step left")
+            if _is_compiled(pl_module):  # the gradient estimator sees no statistics inside graphs
+                self._next_calibration = trainer.global_step + self.recalibrate_every_n_steps
+                rank_zero_info(f"lightning_act: the bits stay as they are at step {trainer.global_step}: {too_large}, "
+                               f"and the model runs compiled; next try at step {self._next_calibration}")
+                return
+            rank_zero_info(f"lightning_act: recalibrating the bits at step {trainer.global_step} from the gradients of "
+                           f"the next {self.calibration_steps} steps: {too_large}")
         self._gradient_estimate = GradientSensitivity()
         self._calibration_end = trainer.global_step + self.calibration_steps
 
     def _probe_room(self) -> int:
         """Bytes the probes may hold above the live tensors now: up to the last step's
-        lasting peak (and a memory target), so that the step probing peaks no higher."""
-        ceiling = self._lasting_peak_bytes
+        lasting peak (and a memory target), so that the step probing peaks no higher than
+        ``PROBE_SLACK`` times the steps around it."""
+        ceiling = int(PROBE_SLACK * self._lasting_peak_bytes)
         if self.targeted:
             ceiling = min(ceiling, self.policy.target_bytes)
         return ceiling - self._step_peak.live_bytes()

@@ -17,13 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.utils.data import DataLoader
 
 from lightning_act import ActCompression, ActivationCapture, CompressionConfig, compress_activations
 from lightning_act.backward_reads import Use, graph_reads
 from lightning_act.capture import OUTSIDE_MODULES
 from lightning_act.capture.compiled import COMPILED_REGION, Plan
 from lightning_act.policy import EXACT, BitPolicy, FixedBits
-from tests.test_reliability import MLP, act_of, rel_err, seeded, trainer
+from tests.test_reliability import MLP, act_of, blobs, rel_err, seeded, trainer
 
 
 @pytest.fixture(autouse=True)
@@ -818,7 +819,11 @@ def test_the_adaptive_allocation_reaches_a_compiled_graph_compiled_again_only_wh
     At a budget of 3 it moves a tensor from the default 2 bits to 4; at 2 it gives every
     tensor what the default gave (2 bits, or its floor): the graph stores that already, and
     is not compiled again."""
-    model = seeded(CompiledInside)
+    class WholeBatches(CompiledInside):  # batches of 256: the probes need room its steps leave
+        def train_dataloader(self):
+            return DataLoader(blobs(), batch_size=256)
+
+    model = seeded(WholeBatches)
     callback = ActCompression(budget=budget, warmup_steps=2, recalibrate_every_n_steps=100)
     fit = trainer(max_steps=6, callbacks=[callback])
     fit.fit(model)
@@ -871,6 +876,7 @@ def test_pack_is_kept_out_of_cuda_graphs():
 _CACHED_RUN = """
 import torch, torch.nn.functional as F, warnings
 from torch._dynamo.utils import counters
+from torch.utils.data import DataLoader
 from lightning_act import ActivationCapture, CompressionConfig
 from lightning_act.policy import FixedBits
 warnings.filterwarnings("error", message="lightning_act")  # a rule the cached graph applies matched
