@@ -14,7 +14,8 @@ and reads each step's peak:
 
 Runs: ``none`` (no callback), ``bits2``, ``budget2`` (recalibrating every
 ``--every`` steps from step 0) and ``memory_target`` (halfway between the ``bits2`` and
-``none`` steady peaks), eager or compiled (``--compile``). It prints, per run, every step's
+``none`` steady peaks, and at least 5% over every ``bits2`` step), eager or compiled
+(``--compile``). It prints, per run, every step's
 two figures and the verdicts of the targets:
 
 * a recalibration step peaks at most 1.05x the steady step at the same plan (the step after
@@ -158,7 +159,10 @@ def measure(name: str, steps: int, every: int, device: torch.device, data_dir: P
     bits2 = fit(name, steps, device, data_dir, {"bits": 2}, compiled)
     budget = fit(name, steps, device, data_dir, {"budget": 2, "warmup_steps": 0, "recalibrate_every_n_steps": every},
                  compiled)
-    target_mib = round((bits2["profiler_mib"][-1] + none["profiler_mib"][-1]) / 2, 2)
+    # Halfway between the 2-bit and the uncompressed steady peaks, and 5% over every 2-bit step
+    # (where compression barely lowers the peak, as a GCN's peak in its forward).
+    target_mib = round(max((bits2["profiler_mib"][-1] + none["profiler_mib"][-1]) / 2,
+                           1.05 * max(bits2["profiler_mib"])), 2)
     target = fit(name, steps, device, data_dir, {"memory_target": int(target_mib * MIB)}, compiled)
     target["target_mib"] = target_mib
     uncompressed = max(none["profiler_mib"])
