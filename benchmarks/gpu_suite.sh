@@ -3,7 +3,8 @@
 #   1. the CUDA kernels built for this GPU as their first use builds them, with the compiler's
 #      output on failure, then checked against the pure-PyTorch reference, bit for bit
 #      (pytest -m cuda);
-#   2. the benchmark harness's GPU suite: memory, speed, largest batch, accuracy.
+#   2. the benchmark harness's GPU suite: memory, speed, largest batch, accuracy;
+#   3. every step's peak, recalibrations included, where time is left.
 # Results go to $OUT when it is set, else to benchmarks/results.
 #
 # The GPU machine has no ../shared: copy the data into the git-ignored .data/ first, from
@@ -41,6 +42,13 @@ echo "== CUDA kernel tests: exit ${tests_status}, ${SECONDS} s so far"
 python benchmarks/harness.py --suite gpu --data-dir "$DATA_DIR" --out "$OUT" --time-limit $((TOTAL_S - SECONDS))
 harness_status=$?
 echo "== harness: exit ${harness_status}, ${SECONDS} s in all"
+
+# Every step's peak against max_memory_allocated, recalibrations included, while time is left.
+if [ "$SECONDS" -lt 520 ]; then
+    timeout $((590 - SECONDS)) python benchmarks/recalibration_memory.py --models resnet18_cifar transformer \
+        --data "$DATA_DIR" --output "$OUT/recalibration_memory_eager_gpu.json"
+    echo "== recalibration memory: exit $?, ${SECONDS} s in all"
+fi
 
 echo "== summary"
 tail -n 1 "$OUT/harness_gpu_pytest.txt"
