@@ -45,6 +45,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import _git, environment  # noqa: E402
+from memory_target import _Task as _SgdTask  # noqa: E402
 from peak_memory import MODELS, build, replay  # noqa: E402
 
 from lightning_act import ActCompression  # noqa: E402
@@ -57,21 +58,12 @@ RECALIBRATION_SLACK = 1.05
 AGREEMENT = 0.02
 
 
-class _Task(L.LightningModule):
-    def __init__(self, workload, steps: int):
-        super().__init__()
-        self.model = workload.model
-        self.workload = workload
-        self.steps = steps
-
-    def training_step(self, batch, batch_idx):
-        return self.workload.loss(batch)
+class _Task(_SgdTask):
+    """One workload as a LightningModule, with Adam: its two moments are what a step holds
+    beyond SGD's momentum."""
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.model.parameters(), lr=1e-4)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader([self.workload.batch] * self.steps, batch_size=None)
 
 
 class _StepBegins(L.Callback):
