@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 
-def run_settings(args: argparse.Namespace, settings: Mapping[str, dict], train: Callable[..., dict],
-                 result_name: str) -> None:
+def run_settings(
+    args: argparse.Namespace, settings: Mapping[str, dict], train: Callable[..., dict], result_name: str
+) -> None:
     """Trains each setting (all, or ``args.only``) for ``args.seeds`` seeds and records
     ``{setting: {val_loss, val_loss_std, runs}}`` in ``args.out / result_name``.
 
@@ -26,8 +27,13 @@ def run_settings(args: argparse.Namespace, settings: Mapping[str, dict], train: 
     path = Path(args.out) / result_name
     # Settings not run now keep their earlier results, if those came from the same schedule.
     earlier = json.loads(path.read_text()) if path.exists() else {}
-    run = {"steps": args.steps, "recalibrate": args.recalibrate, "seeds": args.seeds, "threads": args.threads,
-           "torch": torch.__version__}
+    run = {
+        "steps": args.steps,
+        "recalibrate": args.recalibrate,
+        "seeds": args.seeds,
+        "threads": args.threads,
+        "torch": torch.__version__,
+    }
     same_schedule = all(earlier.get(key) == value for key, value in run.items())
     results = {**(earlier if same_schedule else {}), **run, "date": time.strftime("%Y-%m-%d"), "device": "cpu"}
     width = max(len(name) for name in settings) + 2
@@ -43,8 +49,11 @@ def run_settings(args: argparse.Namespace, settings: Mapping[str, dict], train: 
         }
         base = results.get("none", {}).get("val_loss")
         change = f" ({100 * (results[name]['val_loss'] / base - 1):+.1f}% vs none)" if base else ""
-        print(f"{name:{width}s} val loss {results[name]['val_loss']:.4f} +- {results[name]['val_loss_std']:.4f}"
-              f"{change}  per seed {[round(v, 4) for v in losses]}  ratio {runs[0].get('ratio', 1.0):.2f}x  "
-              f"{sum(r['seconds'] for r in runs):.0f} s", flush=True)
+        print(
+            f"{name:{width}s} val loss {results[name]['val_loss']:.4f} +- {results[name]['val_loss_std']:.4f}"
+            f"{change}  per seed {[round(v, 4) for v in losses]}  ratio {runs[0].get('ratio', 1.0):.2f}x  "
+            f"{sum(r['seconds'] for r in runs):.0f} s",
+            flush=True,
+        )
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1))

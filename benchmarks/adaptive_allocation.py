@@ -29,11 +29,10 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from lightning_act import ActivationCapture, CompressionConfig
 from lightning_act.policy import AdaptiveBits, FixedBits
 from lightning_act.policy.estimators import GradientSensitivity, probe_sensitivities, update_weights
+from torch import nn
 
 WARMUP_STEPS = 20
 
@@ -162,14 +161,19 @@ def run_case(name, model, x, loss_on, optimizer, seeds, probe_rows):
     optimizer.zero_grad()
     params = [p for p in model.parameters() if p.requires_grad]
     weights = update_weights([optimizer], params)
-    flat_weights = torch.cat([torch.as_tensor(w, dtype=torch.float32).expand_as(p).flatten()
-                              for w, p in zip(weights, params)])
+    flat_weights = torch.cat(
+        [torch.as_tensor(w, dtype=torch.float32).expand_as(p).flatten() for w, p in zip(weights, params)]
+    )
     exact = weight_grad(model, full())
     uniform_var, uniform_update, uniform_bytes, saved = measured_variance(
-        model, x, full, FixedBits(2), config, exact, flat_weights, seeds)
-    result = {"saved_bytes": saved, "warmup_steps": WARMUP_STEPS, "optimizer": type(optimizer).__name__,
-              "uniform_2bit": {"variance": uniform_var, "update_variance": uniform_update,
-                               "stored_bytes": uniform_bytes}}
+        model, x, full, FixedBits(2), config, exact, flat_weights, seeds
+    )
+    result = {
+        "saved_bytes": saved,
+        "warmup_steps": WARMUP_STEPS,
+        "optimizer": type(optimizer).__name__,
+        "uniform_2bit": {"variance": uniform_var, "update_variance": uniform_update, "stored_bytes": uniform_bytes},
+    }
 
     capture = ActivationCapture(config, model)
     started = time.perf_counter()
@@ -198,8 +202,9 @@ def run_case(name, model, x, loss_on, optimizer, seeds, probe_rows):
     }
     for estimator, kwargs in variants.items():
         started = time.perf_counter()
-        sens = probe_sensitivities(ActivationCapture(config, model), loss_on(probe_rows), params,
-                                   inputs=x[:probe_rows], **kwargs)
+        sens = probe_sensitivities(
+            ActivationCapture(config, model), loss_on(probe_rows), params, inputs=x[:probe_rows], **kwargs
+        )
         probes[estimator] = (sens, time.perf_counter() - started)
 
     started = time.perf_counter()
@@ -228,17 +233,21 @@ def run_case(name, model, x, loss_on, optimizer, seeds, probe_rows):
             "estimator_cost_in_steps": seconds / step_s,
             "bits": {k: (b if b is not None else "exact") for k, b in policy.assignment.items()},
         }
-    print(f"\n{name}: saved {saved / 2**20:.1f} MiB, uniform 2-bit stores {uniform_bytes / 2**20:.2f} MiB, "
-          f"gradient variance {uniform_var:.4e}, update variance {uniform_update:.4e}; adaptive budget {budget:.3f} bits")
+    print(
+        f"\n{name}: saved {saved / 2**20:.1f} MiB, uniform 2-bit stores {uniform_bytes / 2**20:.2f} MiB, "
+        f"gradient variance {uniform_var:.4e}, update variance {uniform_update:.4e}; adaptive budget {budget:.3f} bits"
+    )
     for estimator in estimators:
         r = result[f"adaptive_{estimator}"]
-        print(f"  adaptive ({estimator:14s}): stores {r['stored_bytes'] / 2**20:.2f} MiB, gradient variance "
-              f"{r['variance_vs_uniform']:.3f}x uniform, update variance {r['update_variance_vs_uniform']:.3f}x "
-              f"(estimator expected {r['predicted_vs_uniform']:.3f}x in its own norm; no allocation below "
-              f"{r['bound_vs_uniform']['per_tensor']:.3f}x per tensor, {r['bound_vs_uniform']['per_group']:.3f}x "
-              f"per group, {r['bound_vs_uniform']['per_tensor_no_floors']:.3f}x and "
-              f"{r['bound_vs_uniform']['per_group_no_floors']:.3f}x without floors); estimate took "
-              f"{r['estimator_seconds']:.2f} s ({r['estimator_cost_in_steps']:.1f} uncompressed steps)")
+        print(
+            f"  adaptive ({estimator:14s}): stores {r['stored_bytes'] / 2**20:.2f} MiB, gradient variance "
+            f"{r['variance_vs_uniform']:.3f}x uniform, update variance {r['update_variance_vs_uniform']:.3f}x "
+            f"(estimator expected {r['predicted_vs_uniform']:.3f}x in its own norm; no allocation below "
+            f"{r['bound_vs_uniform']['per_tensor']:.3f}x per tensor, {r['bound_vs_uniform']['per_group']:.3f}x "
+            f"per group, {r['bound_vs_uniform']['per_tensor_no_floors']:.3f}x and "
+            f"{r['bound_vs_uniform']['per_group_no_floors']:.3f}x without floors); estimate took "
+            f"{r['estimator_seconds']:.2f} s ({r['estimator_cost_in_steps']:.1f} uncompressed steps)"
+        )
     return result
 
 
@@ -255,11 +264,12 @@ def main():
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "seeds": args.seeds,
-        "resnet18_cifar10_batch64": run_case("ResNet-18, CIFAR-10, batch 64", *resnet18_case(args.data, 64),
-                                             args.seeds, args.probe_rows),
-        "char_transformer_shakespeare_batch32": run_case("char transformer d128 L2 T64, batch 32",
-                                                         *transformer_case(args.data, 32), args.seeds,
-                                                         args.probe_rows),
+        "resnet18_cifar10_batch64": run_case(
+            "ResNet-18, CIFAR-10, batch 64", *resnet18_case(args.data, 64), args.seeds, args.probe_rows
+        ),
+        "char_transformer_shakespeare_batch32": run_case(
+            "char transformer d128 L2 T64, batch 32", *transformer_case(args.data, 32), args.seeds, args.probe_rows
+        ),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "adaptive_allocation_cpu.json"

@@ -40,12 +40,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from lightning_act import ActivationCapture, CompressionConfig
 from lightning_act.capture.decide import call_key
 from lightning_act.capture.records import Compressed, Layout
 from lightning_act.codecs import GroupQuantCodec
+from torch import nn
 
 
 class CodecOnlyHook:
@@ -146,16 +145,22 @@ def main():
     codec_us = codec_calls_us(x, args.rounds * args.steps)
     floor_us = hooks_us + codec_us
     bound_us = {name: (best[name] - best["plain"]) / args.layers * 1e3 for name in ("codec_only", "signed")}
-    print(f"{args.layers} Linear+ReLU layers, batch 4, width 64: step {best['plain']:.2f} ms plain, "
-          f"{best['hooks']:.2f} ms with pass-through hooks, {best['capture']:.2f} ms with the capture; per layer: "
-          f"{per_layer_us:.1f} us more with the capture, of which the hooks take {hooks_us:.1f} us and the codec's "
-          f"op calls {codec_us:.1f} us (floor {floor_us:.1f} us); saved tensors per step: {counts}")
-    print(f"per layer against the floor: a pack hook doing nothing but the codec {bound_us['codec_only']:.1f} us "
-          f"({bound_us['codec_only'] / floor_us:.2f}x), with each call's signature {bound_us['signed']:.1f} us "
-          f"({bound_us['signed'] / floor_us:.2f}x), the capture {per_layer_us:.1f} us ({per_layer_us / floor_us:.2f}x)")
-    print(f"compiled (inductor): step {best['compiled_plain']:.2f} ms plain, {best['compiled_capture']:.2f} ms with "
-          f"the capture: {compiled_us:.1f} us per packed tensor, codec included ({packed} packed per step: "
-          f"{compiled_counts})")
+    print(
+        f"{args.layers} Linear+ReLU layers, batch 4, width 64: step {best['plain']:.2f} ms plain, "
+        f"{best['hooks']:.2f} ms with pass-through hooks, {best['capture']:.2f} ms with the capture; per layer: "
+        f"{per_layer_us:.1f} us more with the capture, of which the hooks take {hooks_us:.1f} us and the codec's "
+        f"op calls {codec_us:.1f} us (floor {floor_us:.1f} us); saved tensors per step: {counts}"
+    )
+    print(
+        f"per layer against the floor: a pack hook doing nothing but the codec {bound_us['codec_only']:.1f} us "
+        f"({bound_us['codec_only'] / floor_us:.2f}x), with each call's signature {bound_us['signed']:.1f} us "
+        f"({bound_us['signed'] / floor_us:.2f}x), the capture {per_layer_us:.1f} us ({per_layer_us / floor_us:.2f}x)"
+    )
+    print(
+        f"compiled (inductor): step {best['compiled_plain']:.2f} ms plain, {best['compiled_capture']:.2f} ms with "
+        f"the capture: {compiled_us:.1f} us per packed tensor, codec included ({packed} packed per step: "
+        f"{compiled_counts})"
+    )
     result = {
         "device": "cpu",
         "machine": platform.processor() or platform.machine(),

@@ -27,10 +27,9 @@ import time
 from pathlib import Path
 
 import torch
+from lightning_act import ActivationCapture, CompressionConfig
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
-
-from lightning_act import ActivationCapture, CompressionConfig
 
 
 def resnet18_batch(data: Path, batch: int):
@@ -84,9 +83,11 @@ def run_config(name, model, x, y, config, exact, seeds):
         "step_seconds": seconds,
         "slots": list(report.slots.values()),
     }
-    print(f"{name:<44} {result['single_seed_error']:>8.4f} {result['mean_of_seeds_error']:>9.4f}"
-          f" {report.stored_bytes / 2**20:>9.2f} {kept / 2**20:>9.2f} {report.ratio:>7.2f}x {seconds:>6.1f}",
-          flush=True)
+    print(
+        f"{name:<44} {result['single_seed_error']:>8.4f} {result['mean_of_seeds_error']:>9.4f}"
+        f" {report.stored_bytes / 2**20:>9.2f} {kept / 2**20:>9.2f} {report.ratio:>7.2f}x {seconds:>6.1f}",
+        flush=True,
+    )
     return result
 
 
@@ -103,8 +104,10 @@ def main():
     exact = weight_grad(model, nn.functional.cross_entropy(model(x), y))
     baseline, loss = kept_by_forward(lambda: nn.functional.cross_entropy(model(x), y))
     weight_grad(model, loss)
-    print(f"ResNet-18 (CIFAR stem), CIFAR-10 batch {args.batch}, fp32: the uncompressed forward keeps "
-          f"{baseline / 2**20:.1f} MiB; {args.seeds} rounding seeds per row\n")
+    print(
+        f"ResNet-18 (CIFAR stem), CIFAR-10 batch {args.batch}, fp32: the uncompressed forward keeps "
+        f"{baseline / 2**20:.1f} MiB; {args.seeds} rounding seeds per row\n"
+    )
     print(f"{'codec':<44} {'1 seed':>8} {'mean':>9} {'stored':>9} {'kept':>9} {'ratio':>8} {'s/step':>6}")
     print(f"{'':<44} {'error':>8} {'error':>9} {'MiB':>9} {'MiB':>9}")
 

@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from lightning_act import ops
 from lightning_act.codecs import GroupQuantCodec
 from lightning_act.codecs.division import DivisionCodec
@@ -73,8 +72,11 @@ def main():
         # Groups along the rows of each 32 x 32 plane, and down the tokens of a (batch,
         # tokens, features) view (64 x 1024 matrices): a strided read and write.
         ("quant 2-bit, group 256, along axis 2 (kernel)", x, *_codec_pair(GroupQuantCodec(256), x, group_axis=2)),
-        ("quant 2-bit, group 256, (64, 64, 1024) axis 1", x,
-         *_codec_pair(GroupQuantCodec(256), x.view(64, 64, 1024), group_axis=1)),
+        (
+            "quant 2-bit, group 256, (64, 64, 1024) axis 1",
+            x,
+            *_codec_pair(GroupQuantCodec(256), x.view(64, 64, 1024), group_axis=1),
+        ),
         ("DIVISION block 8, 2-bit (kernel)", x, *_codec_pair(DivisionCodec(8), x)),
     ]
     cases = [
@@ -116,8 +118,10 @@ def main():
     for timer, (clock, timer_threads) in timers.items():
         torch.set_num_threads(timer_threads)
         rounds = side_by_side(clone[2], kernels, args.rounds, device, clock)
-        print(f"\n{timer}, side by side with the clone, {args.rounds} rounds (fastest of 5 runs each): "
-              "median ratio [min, max]")
+        print(
+            f"\n{timer}, side by side with the clone, {args.rounds} rounds (fastest of 5 runs each): "
+            "median ratio [min, max]"
+        )
         ratios = {}
         for name, times in rounds.items():
             if name == "clone":

@@ -39,12 +39,12 @@ from pathlib import Path
 # user's first run does (set before torch reads it).
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="lightning_act_compiled_"))
 
-import torch  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
+import torch
+from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import CPU_SUITE, GPU_SUITE, Workload, build_workload, environment  # noqa: E402
-from peak_memory import Compression, Method, measure_step, train_step  # noqa: E402
+from harness import CPU_SUITE, GPU_SUITE, Workload, build_workload, environment
+from peak_memory import Compression, Method, measure_step, train_step
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -96,8 +96,9 @@ def step_seconds(workload: Workload, methods: dict[str, Method], rounds: int) ->
     return best
 
 
-def measure_model(name: str, batch: int, backend: str, device: torch.device, data_dir: Path, rounds: int,
-                  group_order: str) -> dict:
+def measure_model(
+    name: str, batch: int, backend: str, device: torch.device, data_dir: Path, rounds: int, group_order: str
+) -> dict:
     suite = CPU_SUITE if device.type == "cpu" else GPU_SUITE
     sizes = suite.models[name].sizes
     eager = build_workload(name, batch, sizes, device, data_dir)
@@ -150,10 +151,12 @@ def measure_model(name: str, batch: int, backend: str, device: torch.device, dat
         row[key]["kept_ratio"] = base / max(row[key]["kept_mib"], 1e-9)
     row["eager_2bit"]["kept_ratio"] = row["eager_none"]["kept_mib"] / max(row["eager_2bit"]["kept_mib"], 1e-9)
     row["compiled_2bit"]["step_vs_none"] = seconds["compiled_2bit"] / seconds["compiled_none"]
-    log(f"{name}: compiled 2-bit kept {row['compiled_2bit']['kept_ratio']:.2f}x (eager "
+    log(
+        f"{name}: compiled 2-bit kept {row['compiled_2bit']['kept_ratio']:.2f}x (eager "
         f"{row['eager_2bit']['kept_ratio']:.2f}x, fp8 pass {row['compiled_fp8']['kept_ratio']:.2f}x), 8-bit error "
         f"{row['compiled_8bit_grad_err']:.4f}, 16-step mean {row['compiled_2bit']['mean_of_16_closer']:.2f}x "
-        f"closer, {row['new_graphs_over_20_steps']} new graphs, step {row['compiled_2bit']['step_vs_none']:.2f}x")
+        f"closer, {row['new_graphs_over_20_steps']} new graphs, step {row['compiled_2bit']['step_vs_none']:.2f}x"
+    )
     return row
 
 
@@ -164,8 +167,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--group-order", default="auto", choices=("auto", "memory"),
-                        help="the library's group_order (memory: every group in memory order)")
+    parser.add_argument(
+        "--group-order",
+        default="auto",
+        choices=("auto", "memory"),
+        help="the library's group_order (memory: every group in memory order)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -176,8 +183,9 @@ def main() -> None:
     results = {"environment": environment(device), "models": {}}
     for name in args.models:
         torch.manual_seed(0)
-        results["models"][name] = measure_model(name, MODELS[name], args.backend, device, args.data_dir, args.rounds,
-                                                args.group_order)
+        results["models"][name] = measure_model(
+            name, MODELS[name], args.backend, device, args.data_dir, args.rounds, args.group_order
+        )
     out = args.out or REPO / "benchmarks" / "results" / f"compiled_{device.type}.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     log(f"wrote {out}")

@@ -34,10 +34,9 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from lightning_act import ActivationCapture, CompressionConfig
 from lightning_act.codecs import GroupQuantCodec
+from torch import nn
 
 SCALES = (1.0, 3.0, 10.0)
 SEEDS = 3
@@ -117,18 +116,31 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
-    print(f"{'bits':>4} {'scale':>5} {'logit':>7}  kernel: {'as stored':>9} {'recomputed':>10} {'written out':>11}"
-          f"   capture: {'fused':>7} {'written out':>11}")
+    print(
+        f"{'bits':>4} {'scale':>5} {'logit':>7}  kernel: {'as stored':>9} {'recomputed':>10} {'written out':>11}"
+        f"   capture: {'fused':>7} {'written out':>11}"
+    )
     for bits in args.bits:
         for scale in SCALES:
-            row = {"bits": bits, "scale": scale, **kernel_errors(scale, bits),
-                   **{f"capture {way}": e for way, e in capture_errors(scale, bits).items()}}
+            row = {
+                "bits": bits,
+                "scale": scale,
+                **kernel_errors(scale, bits),
+                **{f"capture {way}": e for way, e in capture_errors(scale, bits).items()},
+            }
             rows.append(row)
-            print(f"{bits:>4} {scale:>5} {row['largest_logit']:>7.1f}          {row['as stored']:>9.3f} "
-                  f"{row['recomputed']:>10.3f} {row['written out']:>11.3f}            {row['capture fused']:>7.3f} "
-                  f"{row['capture written out']:>11.3f}")
-    result = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "seeds": SEEDS, "rows": rows}
+            print(
+                f"{bits:>4} {scale:>5} {row['largest_logit']:>7.1f}          {row['as stored']:>9.3f} "
+                f"{row['recomputed']:>10.3f} {row['written out']:>11.3f}            {row['capture fused']:>7.3f} "
+                f"{row['capture written out']:>11.3f}"
+            )
+    result = {
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "seeds": SEEDS,
+        "rows": rows,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "fused_attention_cpu.json"
     path.write_text(json.dumps(result, indent=1))

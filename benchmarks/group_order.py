@@ -34,12 +34,12 @@ import warnings
 from pathlib import Path
 
 import torch
-
-import model_libraries as ml
 from lightning_act import ActivationCapture, CompressionConfig
 from lightning_act.codecs import quant
 from lightning_act.policy import FixedBits
 from lightning_act.policy.estimators import probe_sensitivities
+
+import model_libraries as ml
 
 SEEDS = 4
 GROUP = 256
@@ -81,8 +81,9 @@ def _rotated_pack(codec, dense, bits, seed):
     numel = flat.numel()
     groups = torch.nn.functional.pad(flat, (0, (-numel) % GROUP)).view(-1, GROUP)
     record = _plain_pack(codec, ((groups * SIGNS) @ HADAMARD).view(-1), bits, seed)
-    return _Emulated(record, lambda y: ((y.view(-1, GROUP) @ HADAMARD) * SIGNS).view(-1)[:numel]
-                     .view(dense.shape).to(dense.dtype))
+    return _Emulated(
+        record, lambda y: ((y.view(-1, GROUP) @ HADAMARD) * SIGNS).view(-1)[:numel].view(dense.shape).to(dense.dtype)
+    )
 
 
 def _outliers_apart_pack(codec, dense, bits, seed):
@@ -133,8 +134,9 @@ def measured_variance(workload, exact: torch.Tensor, remedy: str) -> tuple[float
 def noise_by_kind(workload) -> dict[str, dict[str, float]]:
     """Per op kind: the probes' 2-bit variance share and each remedy's weighted noise energy."""
     params = [p for p in workload.model.parameters() if p.requires_grad]
-    sensitivity = probe_sensitivities(ActivationCapture(_config("memory"), workload.model), workload.loss, params,
-                                      inputs=workload.inputs)
+    sensitivity = probe_sensitivities(
+        ActivationCapture(_config("memory"), workload.model), workload.loss, params, inputs=workload.inputs
+    )
     capture = ActivationCapture(_config("group axis"), workload.model)
     with capture.capturing(inputs=workload.inputs):  # surveys the group orders
         workload.loss()
@@ -149,8 +151,10 @@ def noise_by_kind(workload) -> dict[str, dict[str, float]]:
         for remedy in REMEDIES:
             _remedy["now"] = remedy if remedy != "group axis" else "memory"
             axis = group_axis if remedy == "group axis" else None
-            energies[remedy] = sum((codec.pack(dense, 2, seed, axis).unpack() - dense).float()
-                                   .square().sum().item() for seed in range(SEEDS))
+            energies[remedy] = sum(
+                (codec.pack(dense, 2, seed, axis).unpack() - dense).float().square().sum().item()
+                for seed in range(SEEDS)
+            )
         _remedy["now"] = "memory"
         kind = kinds[capture.slots[slot].op or "other"]
         kind["share"] += weight
@@ -167,8 +171,14 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    results = {"device": "cpu", "machine": platform.machine(), "torch": torch.__version__,
-               "date": time.strftime("%Y-%m-%d"), "seeds": SEEDS, "models": {}}
+    results = {
+        "device": "cpu",
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "seeds": SEEDS,
+        "models": {},
+    }
     totals: dict[str, dict[str, float]] = collections.defaultdict(lambda: dict.fromkeys(("share", *REMEDIES), 0.0))
     print(f"{'model':28s} " + " ".join(f"{r:>15s}" for r in REMEDIES[1:]) + "   (variance vs memory order, same bytes)")
     for name in args.only or ml.CASES:
@@ -177,16 +187,22 @@ def main():
         exact = ml.weight_grad(workload)
         variance = {remedy: measured_variance(workload, exact, remedy) for remedy in REMEDIES}
         base = variance["memory"][0]
-        row = {remedy: {"variance_vs_memory": v / base if base else 1.0, "stored_bytes": b}
-               for remedy, (v, b) in variance.items()}
+        row = {
+            remedy: {"variance_vs_memory": v / base if base else 1.0, "stored_bytes": b}
+            for remedy, (v, b) in variance.items()
+        }
         kinds = noise_by_kind(workload)
         total_share = sum(k["share"] for k in kinds.values()) or 1.0
         for op, kind in kinds.items():
             for key in kind:
                 totals[op][key] += kind[key] / total_share  # every model weighs the same
         results["models"][name] = row
-        print(f"{name:28s} " + " ".join(f"{row[r]['variance_vs_memory']:15.3f}" for r in REMEDIES[1:])
-              + f"   {time.perf_counter() - started:.0f} s", flush=True)
+        print(
+            f"{name:28s} "
+            + " ".join(f"{row[r]['variance_vs_memory']:15.3f}" for r in REMEDIES[1:])
+            + f"   {time.perf_counter() - started:.0f} s",
+            flush=True,
+        )
     results["by_kind"] = {
         op: {"share": kind["share"], **{r: kind[r] / kind["share"] for r in REMEDIES[1:]}}
         for op, kind in sorted(totals.items(), key=lambda item: -item[1]["share"])

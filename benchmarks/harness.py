@@ -71,13 +71,12 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch import nn
-from torch.profiler import ProfilerActivity, profile, record_function
-from torch.utils.checkpoint import checkpoint
-
 from lightning_act import ActCompression, ActivationCapture, CompressionConfig, CompressionReport
 from lightning_act.ops import ensure_kernels, loaded_kernels
 from lightning_act.policy import AdaptiveBits, FixedBits
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils.checkpoint import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -136,11 +135,11 @@ def _images(batch: int, size: int, classes: int, device: torch.device) -> tuple[
     return images.to(device), labels.to(device)
 
 
-def build_resnet(batch: int, device: torch.device, data_dir: Path, arch: str, image_size: int, cifar_stem: bool,
-                 num_classes: int) -> Workload:
-    from torchvision.models.resnet import BasicBlock, Bottleneck
-
+def build_resnet(
+    batch: int, device: torch.device, data_dir: Path, arch: str, image_size: int, cifar_stem: bool, num_classes: int
+) -> Workload:
     from lightning_act.examples.vision import ImageClassifier
+    from torchvision.models.resnet import BasicBlock, Bottleneck
 
     model = ImageClassifier(arch=arch, num_classes=num_classes, cifar_stem=cifar_stem).net.to(device)
     blocks = [m for m in model.modules() if isinstance(m, (BasicBlock, Bottleneck))]
@@ -156,8 +155,9 @@ def build_vit(batch: int, device: torch.device, data_dir: Path, **sizes) -> Work
     # not zero: drawn as a linear layer's.
     model.heads.head.reset_parameters()
     blocks = [m for m in model.modules() if isinstance(m, EncoderBlock)]
-    return Workload(model, _images(batch, sizes["image_size"], sizes["num_classes"], device), _classification_loss,
-                    blocks, batch)
+    return Workload(
+        model, _images(batch, sizes["image_size"], sizes["num_classes"], device), _classification_loss, blocks, batch
+    )
 
 
 def build_char_transformer(batch: int, device: torch.device, data_dir: Path, **sizes) -> Workload:
@@ -188,10 +188,8 @@ def planetoid(data_dir: Path):
 
 
 BUILDERS = {
-    "resnet18_cifar": functools.partial(build_resnet, arch="resnet18", image_size=32, cifar_stem=True,
-                                        num_classes=10),
-    "resnet50": functools.partial(build_resnet, arch="resnet50", image_size=224, cifar_stem=False,
-                                  num_classes=1000),
+    "resnet18_cifar": functools.partial(build_resnet, arch="resnet18", image_size=32, cifar_stem=True, num_classes=10),
+    "resnet50": functools.partial(build_resnet, arch="resnet50", image_size=224, cifar_stem=False, num_classes=1000),
     "char_transformer": build_char_transformer,
     "vit": build_vit,
     "gcn_cora": functools.partial(build_graph_network, conv="gcn"),
@@ -342,12 +340,21 @@ CPU_SUITE = Suite(
         "resnet18_cifar": ModelRun("ResNet-18, CIFAR stem, 32x32", {}, (8, 16, 32)),
         "resnet50": ModelRun("ResNet-50, 224x224", {}, (2,)),
         "char_transformer": ModelRun(
-            "char transformer d128 L2 T64",
-            {"d_model": 128, "n_layers": 2, "n_heads": 4, "block_size": 64}, (8, 16, 32)),
+            "char transformer d128 L2 T64", {"d_model": 128, "n_layers": 2, "n_heads": 4, "block_size": 64}, (8, 16, 32)
+        ),
         "vit": ModelRun(
             "ViT 32x32, patch 4, d192 L6",
-            {"image_size": 32, "patch_size": 4, "num_layers": 6, "num_heads": 3, "hidden_dim": 192,
-             "mlp_dim": 768, "num_classes": 10}, (16,)),
+            {
+                "image_size": 32,
+                "patch_size": 4,
+                "num_layers": 6,
+                "num_heads": 3,
+                "hidden_dim": 192,
+                "mlp_dim": 768,
+                "num_classes": 10,
+            },
+            (16,),
+        ),
         "gcn_cora": ModelRun("GCN on Cora (whole graph)", {}, (1,)),
         "gat_cora": ModelRun("GAT on Cora (whole graph)", {}, (1,)),
     },
@@ -360,12 +367,24 @@ CPU_SUITE = Suite(
     # In order of what a CPU can show: CIFAR-10 last, as its CPU schedule is only a smoke test.
     accuracy={
         "cora_gcn": {"seeds": 10, "epochs": 200, "methods": ("none", "act_2bit", "act_adaptive2")},
-        "shakespeare": {"sizes": {"d_model": 128, "n_layers": 2, "n_heads": 4, "block_size": 64, "lr": 3e-3,
-                                  "warmup_steps": 20},
-                        "batch_size": 32, "steps": 300, "val_every": 100, "val_batches": 40, "seeds": 3,
-                        "methods": ("none", "act_4bit", "act_2bit", "act_adaptive2")},
-        "cifar10_resnet18": {"limit": 1024, "batch_size": 32, "epochs": 2, "lr": 0.05, "warmup_steps": 10,
-                             "num_workers": 0, "methods": ("none", "act_2bit")},
+        "shakespeare": {
+            "sizes": {"d_model": 128, "n_layers": 2, "n_heads": 4, "block_size": 64, "lr": 3e-3, "warmup_steps": 20},
+            "batch_size": 32,
+            "steps": 300,
+            "val_every": 100,
+            "val_batches": 40,
+            "seeds": 3,
+            "methods": ("none", "act_4bit", "act_2bit", "act_adaptive2"),
+        },
+        "cifar10_resnet18": {
+            "limit": 1024,
+            "batch_size": 32,
+            "epochs": 2,
+            "lr": 0.05,
+            "warmup_steps": 10,
+            "num_workers": 0,
+            "methods": ("none", "act_2bit"),
+        },
     },
     budgets_s={"memory": 900.0, "accuracy": 1800.0},
     notes=(
@@ -383,25 +402,48 @@ GPU_SUITE = Suite(
         "resnet50": ModelRun("ResNet-50, 224x224", {}, (16, 32, 64), largest_batch_cap=8192),
         "char_transformer": ModelRun(
             "char transformer d256 L4 T128",
-            {"d_model": 256, "n_layers": 4, "n_heads": 4, "block_size": 128}, (32, 64, 128),
-            largest_batch_cap=32768),
+            {"d_model": 256, "n_layers": 4, "n_heads": 4, "block_size": 128},
+            (32, 64, 128),
+            largest_batch_cap=32768,
+        ),
         "vit": ModelRun(
             "ViT-B/16, 224x224 (torchvision vit_b_16's sizes)",
-            {"image_size": 224, "patch_size": 16, "num_layers": 12, "num_heads": 12, "hidden_dim": 768,
-             "mlp_dim": 3072, "num_classes": 1000}, (16, 32, 64), largest_batch_cap=8192),
+            {
+                "image_size": 224,
+                "patch_size": 16,
+                "num_layers": 12,
+                "num_heads": 12,
+                "hidden_dim": 768,
+                "mlp_dim": 3072,
+                "num_classes": 1000,
+            },
+            (16, 32, 64),
+            largest_batch_cap=8192,
+        ),
         "gcn_cora": ModelRun("GCN on Cora (whole graph)", {}, (1,)),
         "gat_cora": ModelRun("GAT on Cora (whole graph)", {}, (1,)),
     },
     warmup_steps=2,
     timed_steps=10,
     accuracy={
-        "cifar10_resnet18": {"limit": None, "batch_size": 256, "epochs": 3, "lr": 0.1, "warmup_steps": 50,
-                             "num_workers": 8, "methods": ("none", "act_2bit")},
+        "cifar10_resnet18": {
+            "limit": None,
+            "batch_size": 256,
+            "epochs": 3,
+            "lr": 0.1,
+            "warmup_steps": 50,
+            "num_workers": 8,
+            "methods": ("none", "act_2bit"),
+        },
         "cora_gcn": {"seeds": 10, "epochs": 200, "methods": ("none", "act_2bit")},
-        "shakespeare": {"sizes": {"d_model": 256, "n_layers": 4, "n_heads": 4, "block_size": 128, "lr": 1e-3,
-                                  "warmup_steps": 50},
-                        "batch_size": 64, "steps": 600, "val_every": 200, "val_batches": 40,
-                        "methods": ("none", "act_4bit", "act_2bit", "act_adaptive2")},
+        "shakespeare": {
+            "sizes": {"d_model": 256, "n_layers": 4, "n_heads": 4, "block_size": 128, "lr": 1e-3, "warmup_steps": 50},
+            "batch_size": 64,
+            "steps": 600,
+            "val_every": 200,
+            "val_batches": 40,
+            "methods": ("none", "act_4bit", "act_2bit", "act_adaptive2"),
+        },
     },
     # With the CUDA kernel tests first (about 2 minutes), the whole of gpu_suite.sh stays
     # under 10 minutes on one H100.
@@ -411,8 +453,17 @@ GPU_SUITE = Suite(
 SUITES = {"cpu": CPU_SUITE, "gpu": GPU_SUITE}
 # Largest-batch search: which methods first, when the time budget cannot cover them all.
 BATCH_SEARCH_MODELS = ("resnet50", "vit", "char_transformer", "resnet18_cifar")
-BATCH_SEARCH_METHODS = ("none", "act_2bit", "bf16", "checkpoint", "act_4bit", "act_division2", "act_pool2",
-                        "offload", "act_adaptive2")
+BATCH_SEARCH_METHODS = (
+    "none",
+    "act_2bit",
+    "bf16",
+    "checkpoint",
+    "act_4bit",
+    "act_division2",
+    "act_pool2",
+    "offload",
+    "act_adaptive2",
+)
 
 
 # --------------------------------------------------------------------------- measurement
@@ -476,12 +527,17 @@ def _allocations(nodes):
 def accounting(report: CompressionReport | None) -> dict:
     if report is None:
         return {}
-    return {"saved_bytes": report.saved_bytes, "stored_bytes": report.stored_bytes, "reported_ratio": report.ratio,
-            "decisions": dict(sorted(report.counts.items()))}
+    return {
+        "saved_bytes": report.saved_bytes,
+        "stored_bytes": report.stored_bytes,
+        "reported_ratio": report.ratio,
+        "decisions": dict(sorted(report.counts.items())),
+    }
 
 
-def median_step_seconds(workload: Workload, methods: dict[str, Method], device: torch.device, warmup: int,
-                        repeats: int) -> dict[str, list[float]]:
+def median_step_seconds(
+    workload: Workload, methods: dict[str, Method], device: torch.device, warmup: int, repeats: int
+) -> dict[str, list[float]]:
     """Step times, round-robin: one step of each method in turn, so drifting load on a
     shared machine hits every method alike."""
     for method in methods.values():
@@ -576,8 +632,16 @@ def _cpu_name() -> str:
 
 
 # --------------------------------------------------------------------------- part: memory
-def memory_part(suite: Suite, models: list[str], methods: list[str], quick: bool, device: torch.device,
-                data_dir: Path, results: Results, deadline: float) -> None:
+def memory_part(
+    suite: Suite,
+    models: list[str],
+    methods: list[str],
+    quick: bool,
+    device: torch.device,
+    data_dir: Path,
+    results: Results,
+    deadline: float,
+) -> None:
     # Every model's main batch first, then the sweeps: a spent budget costs plot points, not tables.
     items = [(name, suite.models[name].main_batch) for name in models]
     if not quick:
@@ -585,7 +649,8 @@ def memory_part(suite: Suite, models: list[str], methods: list[str], quick: bool
     for model_name, batch in items:
         run = suite.models[model_name]
         entry = results.data["memory"].setdefault(
-            model_name, {"title": run.title, "sizes": run.sizes, "main_batch": run.main_batch, "batches": {}})
+            model_name, {"title": run.title, "sizes": run.sizes, "main_batch": run.main_batch, "batches": {}}
+        )
         if time.perf_counter() > deadline:
             log(f"memory: time budget spent, skipping {model_name} batch {batch}")
             results.data["notes"].append(f"memory: {model_name} batch {batch} skipped (time budget)")
@@ -594,8 +659,16 @@ def memory_part(suite: Suite, models: list[str], methods: list[str], quick: bool
         results.save()
 
 
-def measure_model(model_name: str, run: ModelRun, batch: int, method_names: list[str], suite: Suite, quick: bool,
-                  device: torch.device, data_dir: Path) -> dict:
+def measure_model(
+    model_name: str,
+    run: ModelRun,
+    batch: int,
+    method_names: list[str],
+    suite: Suite,
+    quick: bool,
+    device: torch.device,
+    data_dir: Path,
+) -> dict:
     workload = build_workload(model_name, batch, run.sizes, device, data_dir)
     methods = {name: METHODS[name]() for name in method_names}
     rows: dict[str, dict] = {}
@@ -608,9 +681,11 @@ def measure_model(model_name: str, run: ModelRun, batch: int, method_names: list
             row["calibration_s"] = method.calibration_s
         rows[name] = row
         stored = row.get("stored_bytes")
-        log(f"memory {model_name} batch {batch} {name}: kept {row['kept_bytes'] / MIB:.2f} MiB, "
+        log(
+            f"memory {model_name} batch {batch} {name}: kept {row['kept_bytes'] / MIB:.2f} MiB, "
             f"peak {row['peak_step_bytes'] / MIB:.2f} MiB"
-            + ("" if stored is None else f", saved {row['saved_bytes'] / MIB:.2f} -> stored {stored / MIB:.2f} MiB"))
+            + ("" if stored is None else f", saved {row['saved_bytes'] / MIB:.2f} -> stored {stored / MIB:.2f} MiB")
+        )
     if "none" in rows:
         for row in rows.values():
             row["kept_reduction"] = rows["none"]["kept_bytes"] / max(row["kept_bytes"], 1)
@@ -623,8 +698,10 @@ def measure_model(model_name: str, run: ModelRun, batch: int, method_names: list
         if "none" in rows:
             for row in rows.values():
                 row["time_vs_none"] = row["step_s"] / rows["none"]["step_s"]
-        log(f"time {model_name} batch {batch}: "
-            + ", ".join(f"{name} {row['step_s'] * 1e3:.0f} ms" for name, row in rows.items()))
+        log(
+            f"time {model_name} batch {batch}: "
+            + ", ".join(f"{name} {row['step_s'] * 1e3:.0f} ms" for name, row in rows.items())
+        )
     del workload, methods
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -632,8 +709,9 @@ def measure_model(model_name: str, run: ModelRun, batch: int, method_names: list
 
 
 # --------------------------------------------------------------------------- part: largest batch
-def batch_part(suite: Suite, models: list[str], methods: list[str], args: argparse.Namespace,
-               results: Results, deadline: float) -> None:
+def batch_part(
+    suite: Suite, models: list[str], methods: list[str], args: argparse.Namespace, results: Results, deadline: float
+) -> None:
     host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     total = torch.cuda.get_device_properties(0).total_memory
     for model_name, method in itertools.product(
@@ -659,20 +737,25 @@ def batch_part(suite: Suite, models: list[str], methods: list[str], args: argpar
 
         def fits(batch: int) -> bool:
             tries[batch] = try_batch(args, model_name, method, batch, suite.try_timeout_s)
-            log(f"  batch {batch}: {'fits' if tries[batch]['fits'] else 'does not fit'}"
-                + (f" ({tries[batch]['error']})" if "error" in tries[batch] else ""))
+            log(
+                f"  batch {batch}: {'fits' if tries[batch]['fits'] else 'does not fit'}"
+                + (f" ({tries[batch]['error']})" if "error" in tries[batch] else "")
+            )
             return tries[batch]["fits"]
 
         largest, reached_cap = largest_batch(fits, run.main_batch, start, cap, deadline)
         results.data["largest_batch"].setdefault(model_name, {})[method] = {
-            "largest_batch": largest, "reached_cap": reached_cap, "cap": cap,
+            "largest_batch": largest,
+            "reached_cap": reached_cap,
+            "cap": cap,
             "tries": {str(b): t for b, t in sorted(tries.items())},
         }
         results.save()
 
 
-def largest_batch(fits: Callable[[int], bool], known: int, start: int, cap: int, deadline: float,
-                  tolerance: float = 1.1) -> tuple[int, bool]:
+def largest_batch(
+    fits: Callable[[int], bool], known: int, start: int, cap: int, deadline: float, tolerance: float = 1.1
+) -> tuple[int, bool]:
     """The largest batch that fits, within ``tolerance``: doubling from ``start`` until a
     failure or ``cap``, then bisection. ``known`` is a batch known to fit."""
     low, high, batch = known, None, min(start, cap)
@@ -694,20 +777,29 @@ def largest_batch(fits: Callable[[int], bool], known: int, start: int, cap: int,
 
 
 def try_batch(args: argparse.Namespace, model: str, method: str, batch: int, timeout_s: float) -> dict:
-    command = [sys.executable, str(Path(__file__).resolve()), "--suite", args.suite, "--data-dir",
-               str(args.data_dir), "--try-batch", model, method, str(batch)]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--suite",
+        args.suite,
+        "--data-dir",
+        str(args.data_dir),
+        "--try-batch",
+        model,
+        method,
+        str(batch),
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"fits": False, "error": f"step took over {timeout_s:.0f} s"}
     for line in done.stdout.splitlines():
         if line.startswith(TRY_RESULT_PREFIX):
-            return json.loads(line[len(TRY_RESULT_PREFIX):])
+            return json.loads(line[len(TRY_RESULT_PREFIX) :])
     return {"fits": False, "error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"}
 
 
-def run_one_try(suite: Suite, model: str, method_name: str, batch: int, device: torch.device,
-                data_dir: Path) -> dict:
+def run_one_try(suite: Suite, model: str, method_name: str, batch: int, device: torch.device, data_dir: Path) -> dict:
     """The child process of one largest-batch try: two training steps at ``batch``."""
     try:
         workload = build_workload(model, batch, suite.models[model].sizes, device, data_dir)
@@ -717,8 +809,11 @@ def run_one_try(suite: Suite, model: str, method_name: str, batch: int, device: 
         for _ in range(2):
             train_step(workload, method)
         synchronize(device)
-        return {"fits": True, "peak_bytes": torch.cuda.max_memory_allocated(device),
-                "two_steps_s": time.perf_counter() - started}
+        return {
+            "fits": True,
+            "peak_bytes": torch.cuda.max_memory_allocated(device),
+            "two_steps_s": time.perf_counter() - started,
+        }
     except torch.OutOfMemoryError:
         return {"fits": False}
     except RuntimeError as error:  # pinned host memory running out is a plain RuntimeError
@@ -728,8 +823,15 @@ def run_one_try(suite: Suite, model: str, method_name: str, batch: int, device: 
 
 
 # --------------------------------------------------------------------------- part: accuracy
-def accuracy_part(suite: Suite, tasks: list[str], methods: list[str], device: torch.device, data_dir: Path,
-                  results: Results, deadline: float) -> None:
+def accuracy_part(
+    suite: Suite,
+    tasks: list[str],
+    methods: list[str],
+    device: torch.device,
+    data_dir: Path,
+    results: Results,
+    deadline: float,
+) -> None:
     for task in tasks:
         settings = suite.accuracy[task]
         entry = results.data["accuracy"].setdefault(task, {"settings": settings, "methods": {}})
@@ -742,13 +844,17 @@ def accuracy_part(suite: Suite, tasks: list[str], methods: list[str], device: to
                     break
                 L.seed_everything(seed, verbose=False)
                 runs.append(ACCURACY_TASKS[task](settings, METHODS[method](), device, data_dir))
-                log(f"accuracy {task} {method} seed {seed}: {runs[-1]['metric']} {runs[-1]['final']:.4f} "
-                    f"({runs[-1]['seconds']:.0f} s)")
+                log(
+                    f"accuracy {task} {method} seed {seed}: {runs[-1]['metric']} {runs[-1]['final']:.4f} "
+                    f"({runs[-1]['seconds']:.0f} s)"
+                )
             if runs:
                 finals = [r["final"] for r in runs]
                 entry["methods"][method] = {
-                    "metric": runs[0]["metric"], "mean": statistics.fmean(finals),
-                    "std": statistics.stdev(finals) if len(finals) > 1 else 0.0, "runs": runs,
+                    "metric": runs[0]["metric"],
+                    "mean": statistics.fmean(finals),
+                    "std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+                    "runs": runs,
                 }
                 results.save()
 
@@ -772,9 +878,16 @@ def fit(model, datamodule, method: Method, device: torch.device, metric: str, te
     recorder = CurveRecorder(metric)
     options = dict(method.trainer_options)
     trainer = L.Trainer(
-        accelerator=device.type, devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[recorder, *options.pop("callbacks", [])], **options, **trainer_args,
+        accelerator=device.type,
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[recorder, *options.pop("callbacks", [])],
+        **options,
+        **trainer_args,
     )
     started = time.perf_counter()
     trainer.fit(model, datamodule)
@@ -783,16 +896,26 @@ def fit(model, datamodule, method: Method, device: torch.device, metric: str, te
         final = trainer.test(model, datamodule, verbose=False)[0][final_metric]
     else:
         final_metric, final = metric, recorder.val[-1][1]
-    return {"metric": final_metric, "final": float(final), "seconds": time.perf_counter() - started,
-            "train_loss": recorder.train, "val": recorder.val, "val_metric": metric}
+    return {
+        "metric": final_metric,
+        "final": float(final),
+        "seconds": time.perf_counter() - started,
+        "train_loss": recorder.train,
+        "val": recorder.val,
+        "val_metric": metric,
+    }
 
 
 def accuracy_cifar10(settings: dict, method: Method, device: torch.device, data_dir: Path) -> dict:
     from lightning_act.examples.vision import CIFAR10DataModule, ImageClassifier
 
     model = ImageClassifier(arch="resnet18", cifar_stem=True, lr=settings["lr"], warmup_steps=settings["warmup_steps"])
-    data = CIFAR10DataModule(str(data_dir / "cifar10"), batch_size=settings["batch_size"],
-                             num_workers=settings["num_workers"], limit=settings["limit"])
+    data = CIFAR10DataModule(
+        str(data_dir / "cifar10"),
+        batch_size=settings["batch_size"],
+        num_workers=settings["num_workers"],
+        limit=settings["limit"],
+    )
     return fit(model, data, method, device, "val/acc", test=True, max_epochs=settings["epochs"])
 
 
@@ -801,20 +924,33 @@ def accuracy_cora(settings: dict, method: Method, device: torch.device, data_dir
 
     cora = planetoid(data_dir)
     model = NodeClassifier(conv="gcn", in_channels=cora.num_features, num_classes=cora.num_classes)
-    return fit(model, cora, method, device, "val/acc", test=True, max_epochs=settings["epochs"],
-               check_val_every_n_epoch=10)
+    return fit(
+        model, cora, method, device, "val/acc", test=True, max_epochs=settings["epochs"], check_val_every_n_epoch=10
+    )
 
 
 def accuracy_shakespeare(settings: dict, method: Method, device: torch.device, data_dir: Path) -> dict:
     from lightning_act.examples.language import CharTextDataModule, CharTransformer
 
     model = CharTransformer(**settings["sizes"])
-    data = CharTextDataModule(str(data_dir / "tinyshakespeare" / "input.txt"),
-                              block_size=settings["sizes"]["block_size"], batch_size=settings["batch_size"])
+    data = CharTextDataModule(
+        str(data_dir / "tinyshakespeare" / "input.txt"),
+        block_size=settings["sizes"]["block_size"],
+        batch_size=settings["batch_size"],
+    )
     # check_val_every_n_epoch=None: validation every val_every steps, across epoch ends.
-    return fit(model, data, method, device, "val/loss", test=False, max_steps=settings["steps"],
-               val_check_interval=settings["val_every"], check_val_every_n_epoch=None,
-               limit_val_batches=settings["val_batches"])
+    return fit(
+        model,
+        data,
+        method,
+        device,
+        "val/loss",
+        test=False,
+        max_steps=settings["steps"],
+        val_check_interval=settings["val_every"],
+        check_val_every_n_epoch=None,
+        limit_val_batches=settings["val_batches"],
+    )
 
 
 ACCURACY_TASKS = {
@@ -844,32 +980,43 @@ def write_markdown(results: Results) -> Path:
         "Columns: *saved* is what autograd would keep and *stored* what the library stores instead (its exact "
         "accounting; parameters and the input batch are in neither); *kept* is the memory the forward really "
         "keeps for backward and *peak* the step's peak above its start, both measured ("
-        + ("`torch.cuda.memory_allocated` and `max_memory_allocated`" if data["device_type"] == "cuda"
-           else "the profiler's allocation events")
+        + (
+            "`torch.cuda.memory_allocated` and `max_memory_allocated`"
+            if data["device_type"] == "cuda"
+            else "the profiler's allocation events"
+        )
         + "); *kept vs none* is none's kept bytes over the method's; *step* is the median step time "
-          "(forward + backward) and *time vs none* its ratio to none's.",
+        "(forward + backward) and *time vs none* its ratio to none's.",
         "",
     ]
-    for model_name, entry in data["memory"].items():
+    for entry in data["memory"].values():
         batch = str(entry["main_batch"])
         rows = entry["batches"].get(batch)
         if not rows:
             continue
-        lines += [f"## {entry['title']}, batch {batch}" if batch != "1" else f"## {entry['title']}", "",
-                  "| method | saved MiB | stored MiB | kept MiB | kept vs none | peak MiB | step ms | time vs none |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"## {entry['title']}, batch {batch}" if batch != "1" else f"## {entry['title']}",
+            "",
+            "| method | saved MiB | stored MiB | kept MiB | kept vs none | peak MiB | step ms | time vs none |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for method, row in rows.items():
             lines.append(
                 f"| {method} | {_mib(row.get('saved_bytes'))} | {_mib(row.get('stored_bytes'))} "
                 f"| {_mib(row['kept_bytes'])} | {_ratio(row.get('kept_reduction'))} "
                 f"| {_mib(row['peak_step_bytes'])} | {_number(row.get('step_s'), 1e3)} "
-                f"| {_ratio(row.get('time_vs_none'))} |")
+                f"| {_ratio(row.get('time_vs_none'))} |"
+            )
         lines.append("")
     if data["largest_batch"]:
-        lines += ["## Largest batch that fits", "",
-                  "Doubling then bisection to 10%, each try a fresh process running two training steps.", "",
-                  "| model | " + " | ".join(BATCH_SEARCH_METHODS) + " |",
-                  "|---|" + "---:|" * len(BATCH_SEARCH_METHODS)]
+        lines += [
+            "## Largest batch that fits",
+            "",
+            "Doubling then bisection to 10%, each try a fresh process running two training steps.",
+            "",
+            "| model | " + " | ".join(BATCH_SEARCH_METHODS) + " |",
+            "|---|" + "---:|" * len(BATCH_SEARCH_METHODS),
+        ]
         for model_name, found in data["largest_batch"].items():
             cells = []
             for method in BATCH_SEARCH_METHODS:
@@ -887,15 +1034,22 @@ def write_markdown(results: Results) -> Path:
             if not methods:
                 continue
             seeds = max(len(m["runs"]) for m in methods.values())
-            lines += [f"**{ACCURACY_TITLES[task]}** ({_task_schedule(task, entry['settings'])}"
-                      + (f", {seeds} seeds" if seeds > 1 else "") + ")", "",
-                      "| method | metric | mean | std | change vs none | seconds per run |", "|---|---|---:|---:|---:|---:|"]
+            lines += [
+                f"**{ACCURACY_TITLES[task]}** ({_task_schedule(task, entry['settings'])}"
+                + (f", {seeds} seeds" if seeds > 1 else "")
+                + ")",
+                "",
+                "| method | metric | mean | std | change vs none | seconds per run |",
+                "|---|---|---:|---:|---:|---:|",
+            ]
             base = methods.get("none", {}).get("mean")
             for method, result in methods.items():
                 change = f"{100 * (result['mean'] / base - 1):+.1f}%" if base else "-"
                 seconds = statistics.fmean(r["seconds"] for r in result["runs"])
-                lines.append(f"| {method} | {result['metric']} | {result['mean']:.4f} | {result['std']:.4f} "
-                             f"| {change} | {seconds:.0f} |")
+                lines.append(
+                    f"| {method} | {result['metric']} | {result['mean']:.4f} | {result['std']:.4f} "
+                    f"| {change} | {seconds:.0f} |"
+                )
             lines.append("")
     if data["notes"]:
         lines += ["## Notes", ""] + [f"* {note}" for note in data["notes"]] + [""]
@@ -936,21 +1090,31 @@ def write_plots(results: Results) -> list[Path]:
 
     written = []
     swept = {name: entry for name, entry in results.data["memory"].items() if len(entry["batches"]) > 1}
-    for kind, key, scale, ylabel in (("memory", "kept_bytes", 1 / MIB, "kept by the forward, MiB"),
-                                     ("throughput", "samples_per_s", 1.0, "samples / s")):
+    for kind, key, scale, ylabel in (
+        ("memory", "kept_bytes", 1 / MIB, "kept by the forward, MiB"),
+        ("throughput", "samples_per_s", 1.0, "samples / s"),
+    ):
         if not swept or (kind == "throughput" and results.data["quick"]):
             continue
         figure, axes = plt.subplots(1, len(swept), figsize=(5 * len(swept), 4), squeeze=False)
-        for axis, (name, entry) in zip(axes[0], swept.items()):
+        for axis, entry in zip(axes[0], swept.values()):
             batches = sorted(entry["batches"], key=int)
             methods = entry["batches"][batches[-1]]
             for method in methods:
-                points = [(int(b), entry["batches"][b][method][key] * scale) for b in batches
-                          if key in entry["batches"][b].get(method, {})]
+                points = [
+                    (int(b), entry["batches"][b][method][key] * scale)
+                    for b in batches
+                    if key in entry["batches"][b].get(method, {})
+                ]
                 # The library's methods solid, the alternatives dashed.
                 axis.plot(*zip(*points), marker="o", label=method, linestyle="-" if method.startswith("act_") else "--")
-            axis.set(title=entry["title"], xlabel="batch size", ylabel=ylabel, xscale="log",
-                     yscale="log" if kind == "memory" else "linear")
+            axis.set(
+                title=entry["title"],
+                xlabel="batch size",
+                ylabel=ylabel,
+                xscale="log",
+                yscale="log" if kind == "memory" else "linear",
+            )
             axis.set_xticks([int(b) for b in batches], labels=batches)
             axis.minorticks_off()
         axes[0][-1].legend(fontsize=7)
@@ -981,8 +1145,9 @@ def _mean_curve(curves: list[list[list[float]]]) -> list[tuple[float, float]]:
 
 
 def _running_mean(curve: list[tuple[float, float]], width: int) -> list[tuple[float, float]]:
-    return [(curve[i][0], statistics.fmean(v for _, v in curve[max(0, i - width + 1): i + 1]))
-            for i in range(len(curve))]
+    return [
+        (curve[i][0], statistics.fmean(v for _, v in curve[max(0, i - width + 1) : i + 1])) for i in range(len(curve))
+    ]
 
 
 def _save(figure, results: Results, kind: str) -> Path:
@@ -995,19 +1160,35 @@ def _save(figure, results: Results, kind: str) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=sorted(SUITES), required=True)
-    parser.add_argument("--quick", action="store_true",
-                        help="byte accounting and kept memory at each model's main batch only (CI-sized)")
-    parser.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data",
-                        help="folder with cifar10/, planetoid/Cora/raw/ and tinyshakespeare/input.txt")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="byte accounting and kept memory at each model's main batch only (CI-sized)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=REPO.parent / "shared" / "data",
+        help="folder with cifar10/, planetoid/Cora/raw/ and tinyshakespeare/input.txt",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--models", nargs="+", choices=sorted(BUILDERS), help="default: all")
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS),
-                        help="default: all (--quick: all but act_adaptive2, whose probes take minutes on a CPU)")
-    parser.add_argument("--parts", nargs="+", choices=("memory", "batch", "accuracy"),
-                        help="default: all the suite has (accuracy and batch are skipped by --quick)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=list(METHODS),
+        help="default: all (--quick: all but act_adaptive2, whose probes take minutes on a CPU)",
+    )
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=("memory", "batch", "accuracy"),
+        help="default: all the suite has (accuracy and batch are skipped by --quick)",
+    )
     parser.add_argument("--accuracy-tasks", nargs="+", choices=sorted(ACCURACY_TASKS), help="default: all")
-    parser.add_argument("--time-limit", type=float,
-                        help="seconds for the whole run: no part starts a new item after it (default: none)")
+    parser.add_argument(
+        "--time-limit", type=float, help="seconds for the whole run: no part starts a new item after it (default: none)"
+    )
     parser.add_argument("--threads", type=int, help="intra-op CPU threads (default: the suite's)")
     parser.add_argument("--try-batch", nargs=3, metavar=("MODEL", "METHOD", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -1048,13 +1229,16 @@ def main() -> None:
         elif part == "batch":
             batch_part(suite, models, methods, args, results, deadline)
         else:
-            accuracy_part(suite, args.accuracy_tasks or list(suite.accuracy), methods, device, args.data_dir,
-                          results, deadline)
+            accuracy_part(
+                suite, args.accuracy_tasks or list(suite.accuracy), methods, device, args.data_dir, results, deadline
+            )
         results.data["part_seconds"][part] = time.perf_counter() - started
         results.save()
         written = [write_markdown(results), *write_plots(results)]
-        log(f"{part} done in {results.data['part_seconds'][part]:.0f} s; wrote "
-            + ", ".join(str(p) for p in [results.out / f"{results.stem}.json", *written]))
+        log(
+            f"{part} done in {results.data['part_seconds'][part]:.0f} s; wrote "
+            + ", ".join(str(p) for p in [results.out / f"{results.stem}.json", *written])
+        )
 
 
 if __name__ == "__main__":

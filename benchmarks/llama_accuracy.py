@@ -35,12 +35,11 @@ from typing import NamedTuple
 
 import lightning as L
 import torch
-
-from _seed_grid import run_settings
-
 from lightning_act import ActCompression, ActivationCapture, CompressionConfig
 from lightning_act.examples._schedule import warmup_cosine
 from lightning_act.examples.language import CharTextDataModule
+
+from _seed_grid import run_settings
 
 SETTINGS = {
     "none": None,
@@ -75,16 +74,30 @@ CONFIGS = {
 class LlamaBytes(L.LightningModule):
     """``LlamaForCausalLM`` over bytes (vocabulary 256), built from its config."""
 
-    def __init__(self, d_model: int = 128, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2,
-                 lr: float = 3e-3, warmup_steps: int = 20, block_size: int = BLOCK_SIZE):
+    def __init__(
+        self,
+        d_model: int = 128,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        n_kv_heads: int = 2,
+        lr: float = 3e-3,
+        warmup_steps: int = 20,
+        block_size: int = BLOCK_SIZE,
+    ):
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
         self.save_hyperparameters()
-        config = LlamaConfig(vocab_size=256, hidden_size=d_model, intermediate_size=int(8 * d_model / 3),
-                             num_hidden_layers=n_layers, num_attention_heads=n_heads,
-                             num_key_value_heads=n_kv_heads, max_position_embeddings=block_size,
-                             attn_implementation="sdpa")
+        config = LlamaConfig(
+            vocab_size=256,
+            hidden_size=d_model,
+            intermediate_size=int(8 * d_model / 3),
+            num_hidden_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=n_kv_heads,
+            max_position_embeddings=block_size,
+            attn_implementation="sdpa",
+        )
         self.llama = LlamaForCausalLM(config)
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -101,23 +114,38 @@ class LlamaBytes(L.LightningModule):
     def configure_optimizers(self):
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                      lr=self.hparams.lr, betas=(0.9, 0.95))
-        return {"optimizer": optimizer, "lr_scheduler": warmup_cosine(optimizer, self.trainer, self.hparams.warmup_steps)}
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.lr,
+            betas=(0.9, 0.95),
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": warmup_cosine(optimizer, self.trainer, self.hparams.warmup_steps),
+        }
 
 
 def train(data: Path, steps: int, settings: dict | None, recalibrate: int, seed: int, config: Config) -> dict:
     L.seed_everything(seed, workers=True)
     model = LlamaBytes(d_model=config.d_model, n_layers=config.n_layers, lr=config.lr, block_size=config.block_size)
-    datamodule = CharTextDataModule(str(data / "tinyshakespeare" / "input.txt"), block_size=config.block_size,
-                                    batch_size=config.batch_size)
+    datamodule = CharTextDataModule(
+        str(data / "tinyshakespeare" / "input.txt"), block_size=config.block_size, batch_size=config.batch_size
+    )
     callbacks = []
     if settings is not None:
         callbacks.append(ActCompression(recalibrate_every_n_steps=recalibrate, seed=seed, **settings))
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=steps, limit_val_batches=40, val_check_interval=steps,
-        check_val_every_n_epoch=None, callbacks=callbacks, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+        accelerator="cpu",
+        max_steps=steps,
+        limit_val_batches=40,
+        val_check_interval=steps,
+        check_val_every_n_epoch=None,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
     )
     started = time.perf_counter()
     trainer.fit(model, datamodule)
@@ -134,14 +162,24 @@ def variance_bound(data: Path, config: Config, steps: int = 50) -> dict:
 
     L.seed_everything(0)
     model = LlamaBytes(d_model=config.d_model, n_layers=config.n_layers, lr=config.lr, block_size=config.block_size)
-    datamodule = CharTextDataModule(str(data / "tinyshakespeare" / "input.txt"), block_size=config.block_size,
-                                    batch_size=config.batch_size)
+    datamodule = CharTextDataModule(
+        str(data / "tinyshakespeare" / "input.txt"), block_size=config.block_size, batch_size=config.batch_size
+    )
+
     class StopAt(L.Callback):  # the schedule of a 300-step run, stopped where its learning rate is high
         def on_train_batch_end(self, trainer, *args):
             trainer.should_stop = trainer.global_step >= steps
 
-    trainer = L.Trainer(accelerator="cpu", max_steps=300, limit_val_batches=0, logger=False, callbacks=[StopAt()],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=300,
+        limit_val_batches=0,
+        logger=False,
+        callbacks=[StopAt()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, datamodule)
     batch = next(iter(datamodule.train_dataloader()))
     capture = ActivationCapture(CompressionConfig(bits=2), model)
@@ -171,10 +209,17 @@ def main():
     parser.add_argument("--recalibrate", type=int, help="steps between recalibrations (default: the config's)")
     parser.add_argument("--only", nargs="*", choices=sorted(SETTINGS), help="settings to run (default: all)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds (weights, data order, rounding) per setting")
-    parser.add_argument("--bound", action="store_true",
-                        help="the least variance a budget could reach, against uniform 4 bits (see above)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="intra-op CPU threads (one: a shared machine's busy cores slow OpenMP barriers)")
+    parser.add_argument(
+        "--bound",
+        action="store_true",
+        help="the least variance a budget could reach, against uniform 4 bits (see above)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op CPU threads (one: a shared machine's busy cores slow OpenMP barriers)",
+    )
     args = parser.parse_args()
     config = CONFIGS[args.config]
     if args.recalibrate is None:
@@ -182,8 +227,11 @@ def main():
     if args.bound:
         torch.set_num_threads(args.threads)
         bound = variance_bound(args.data, config)
-        print("gradient variance relative to uniform 2 bits: " + ", ".join(
-            f"{key} {value:.3f}" for key, value in bound.items() if isinstance(value, float)), flush=True)
+        print(
+            "gradient variance relative to uniform 2 bits: "
+            + ", ".join(f"{key} {value:.3f}" for key, value in bound.items() if isinstance(value, float)),
+            flush=True,
+        )
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"llama_variance_bound_{args.config}_cpu.json"
         path.write_text(json.dumps({**bound, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}, indent=1))

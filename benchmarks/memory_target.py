@@ -45,14 +45,15 @@ import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Checkpointing, Workload, _git, build_vit, environment  # noqa: E402
-from peak_memory import MODELS, ModelSpec, build  # noqa: E402
+from lightning_act import ActCompression, MemoryTargetError
+from lightning_act.monitor import StepPeakMemory
 
-from lightning_act import ActCompression, MemoryTargetError  # noqa: E402
-from lightning_act.monitor import StepPeakMemory  # noqa: E402
+from harness import Checkpointing, Workload, _git, build_vit, environment
+from peak_memory import MODELS, ModelSpec, build
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
+
 
 def build_llama(batch: int, device: torch.device, data_dir: Path, **sizes) -> Workload:
     """An HF Llama (``transformers``, SDPA attention) on random tokens; its decoder layers
@@ -60,21 +61,50 @@ def build_llama(batch: int, device: torch.device, data_dir: Path, **sizes) -> Wo
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model = LlamaForCausalLM(LlamaConfig(attn_implementation="sdpa", **sizes)).to(device)
-    tokens = torch.randint(0, sizes["vocab_size"], (batch, sizes["max_position_embeddings"] + 1),
-                           generator=torch.Generator().manual_seed(1)).to(device)
-    return Workload(model, (tokens,), lambda m, t: m(input_ids=t[:, :-1], labels=t[:, 1:]).loss,
-                    list(model.model.layers), batch)
+    tokens = torch.randint(
+        0,
+        sizes["vocab_size"],
+        (batch, sizes["max_position_embeddings"] + 1),
+        generator=torch.Generator().manual_seed(1),
+    ).to(device)
+    return Workload(
+        model, (tokens,), lambda m, t: m(input_ids=t[:, :-1], labels=t[:, 1:]).loss, list(model.model.layers), batch
+    )
 
 
 # Two more for this benchmark, built by peak_memory's build as its own.
-MODELS.update({
-    "vit": ModelSpec("ViT 32x32, patch 4, d192 L6", build_vit, 32,
-                     {"image_size": 32, "patch_size": 4, "num_layers": 6, "num_heads": 3, "hidden_dim": 192,
-                      "mlp_dim": 768, "num_classes": 10}),
-    "llama": ModelSpec("HF Llama d256 L4, 256 tokens", build_llama, 8,
-                       {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
-                        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}),
-})
+MODELS.update(
+    {
+        "vit": ModelSpec(
+            "ViT 32x32, patch 4, d192 L6",
+            build_vit,
+            32,
+            {
+                "image_size": 32,
+                "patch_size": 4,
+                "num_layers": 6,
+                "num_heads": 3,
+                "hidden_dim": 192,
+                "mlp_dim": 768,
+                "num_classes": 10,
+            },
+        ),
+        "llama": ModelSpec(
+            "HF Llama d256 L4, 256 tokens",
+            build_llama,
+            8,
+            {
+                "vocab_size": 512,
+                "hidden_size": 256,
+                "intermediate_size": 688,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 256,
+            },
+        ),
+    }
+)
 DEFAULT_MODELS = ("resnet18_cifar", "vit", "llama", "gcn_cora")
 #: The lowest target tried, over the floor's peak (a step at the floor varies by about 0.1%).
 FLOOR_MARGIN = 1.02
@@ -124,8 +154,15 @@ class _Steps(L.Callback):
         self.peaks.append(self.meter.peak_bytes())
 
 
-def fit(name: str, steps: int, device: torch.device, data_dir: Path, callback: L.Callback | None = None,
-        checkpointed: bool = False, compiled: bool = False) -> dict:
+def fit(
+    name: str,
+    steps: int,
+    device: torch.device,
+    data_dir: Path,
+    callback: L.Callback | None = None,
+    checkpointed: bool = False,
+    compiled: bool = False,
+) -> dict:
     gc.collect()  # the last run's cycles would be live tensors in this one's peaks
     workload = build(name, MODELS[name].batch, device, data_dir)
     task = _Task(workload, steps)
@@ -135,9 +172,16 @@ def fit(name: str, steps: int, device: torch.device, data_dir: Path, callback: L
         torch._dynamo.reset()
         task.model = workload.model = torch.compile(workload.model)
     measured = _Steps(device, task)
-    trainer = L.Trainer(max_steps=steps, accelerator=device.type, devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[*([callback] if callback else []), measured])
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator=device.type,
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[*([callback] if callback else []), measured],
+    )
     error = None
     with Checkpointing().active(workload) if checkpointed else _nothing():
         try:
@@ -146,8 +190,11 @@ def fit(name: str, steps: int, device: torch.device, data_dir: Path, callback: L
             error = str(failure)
     peaks = [p / MIB for p in measured.peaks]
     steady = measured.seconds[PLANNING_STEPS:] or measured.seconds
-    return {"peaks_mib": [round(p, 2) for p in peaks], "step_s": statistics.median(steady) if steady else None,
-            "error": error}
+    return {
+        "peaks_mib": [round(p, 2) for p in peaks],
+        "step_s": statistics.median(steady) if steady else None,
+        "error": error,
+    }
 
 
 class _nothing:
@@ -171,20 +218,29 @@ def measure_model(name: str, steps: int, device: torch.device, data_dir: Path, c
     lowest = FLOOR_MARGIN * floor_peak
     spread = {round(max(floor_peak + share * (none_peak - floor_peak), lowest), 2) for share in SHARES}
     targets = sorted(spread | {round(max(run["peaks_mib"][-1], lowest), 2) for run in (checkpoint, bits2)})
-    row = {"title": MODELS[name].title, "batch": MODELS[name].batch, "none": none, "floor": floor, "bits2": bits2,
-           "checkpoint": checkpoint, "floor_checkpoint": floor_checkpoint, "targets": {}}
+    row = {
+        "title": MODELS[name].title,
+        "batch": MODELS[name].batch,
+        "none": none,
+        "floor": floor,
+        "bits2": bits2,
+        "checkpoint": checkpoint,
+        "floor_checkpoint": floor_checkpoint,
+        "targets": {},
+    }
     if compiled:
         row["memory_budget"] = {}
         for budget in BUDGETS:
             with torch._functorch.config.patch(activation_memory_budget=budget):
                 row["memory_budget"][f"{budget:g}"] = run = run_with()
-            logging.info("%s activation_memory_budget %g: %s, %.3f s/step", name, budget, run["peaks_mib"],
-                         run["step_s"])
+            logging.info(
+                "%s activation_memory_budget %g: %s, %.3f s/step", name, budget, run["peaks_mib"], run["step_s"]
+            )
     for target in [round(0.9 * floor_peak, 2), *targets]:
         run = run_with(ActCompression(memory_target=int(target * MIB)))
         peaks = run["peaks_mib"]
         run["every_step_fits"] = run["error"] is None and max(peaks) <= target
-        run["steady_reaches_0.9"] = run["error"] is None and min(peaks[PLANNING_STEPS - 1:]) >= 0.9 * target
+        run["steady_reaches_0.9"] = run["error"] is None and min(peaks[PLANNING_STEPS - 1 :]) >= 0.9 * target
         row["targets"][f"{target:.2f}"] = run
         failed = f" ({run['error'][:90]}...)" if run["error"] else ""
         logging.info("%s target %.1f MiB: %s%s", name, target, peaks, failed)
@@ -195,7 +251,7 @@ def measure_model(name: str, steps: int, device: torch.device, data_dir: Path, c
 
 def table(results: dict) -> str:
     lines = []
-    for name, row in results["models"].items():
+    for row in results["models"].values():
         lines += [
             f"\n### {row['title']}, batch {row['batch']}\n",
             f"none {row['none']['peaks_mib'][-1]:.1f} MiB ({row['none']['step_s']:.3f} s/step), every tensor at its "
@@ -213,12 +269,16 @@ def table(results: dict) -> str:
         ]
         for target, run in row["targets"].items():
             if run["error"]:
-                lines.append(f"| {target} | {', '.join(map(str, run['peaks_mib'])) or 'none finished'} | error: "
-                             f"{run['error'].split(': ', 1)[1].split('. It holds')[0]} | | |")
+                lines.append(
+                    f"| {target} | {', '.join(map(str, run['peaks_mib'])) or 'none finished'} | error: "
+                    f"{run['error'].split(': ', 1)[1].split('. It holds')[0]} | | |"
+                )
                 continue
-            lines.append(f"| {target} | {', '.join(f'{p:.1f}' for p in run['peaks_mib'])} | "
-                         f"{'yes' if run['every_step_fits'] else 'no'} | {'yes' if run['steady_reaches_0.9'] else 'no'} "
-                         f"| {run['step_s']:.3f} |")
+            lines.append(
+                f"| {target} | {', '.join(f'{p:.1f}' for p in run['peaks_mib'])} | "
+                f"{'yes' if run['every_step_fits'] else 'no'} | {'yes' if run['steady_reaches_0.9'] else 'no'} "
+                f"| {run['step_s']:.3f} |"
+            )
     return "\n".join(lines)
 
 
@@ -226,22 +286,34 @@ def _against_budget(row: dict) -> str:
     """torch's ``activation_memory_budget`` runs beside the memory target's lowest reachable
     run (a compiled plan stays at every tensor's floor): the fastest budget whose peak is no
     higher, if any."""
-    reached = [(run["peaks_mib"][-1], float(target), run["step_s"]) for target, run in row["targets"].items()
-               if run["error"] is None]
+    reached = [
+        (run["peaks_mib"][-1], float(target), run["step_s"])
+        for target, run in row["targets"].items()
+        if run["error"] is None
+    ]
     peak, target, seconds = min(reached)
-    runs = ", ".join(f"{budget}: {run['peaks_mib'][-1]:.1f} MiB, {run['step_s']:.3f} s/step"
-                     for budget, run in row["memory_budget"].items())
-    fitting = [(run["step_s"], budget, run["peaks_mib"][-1]) for budget, run in row["memory_budget"].items()
-               if run["peaks_mib"][-1] <= peak]
+    runs = ", ".join(
+        f"{budget}: {run['peaks_mib'][-1]:.1f} MiB, {run['step_s']:.3f} s/step"
+        for budget, run in row["memory_budget"].items()
+    )
+    fitting = [
+        (run["step_s"], budget, run["peaks_mib"][-1])
+        for budget, run in row["memory_budget"].items()
+        if run["peaks_mib"][-1] <= peak
+    ]
     if fitting:
         fastest, budget, its_peak = min(fitting)
-        verdict = (f"at or under that peak, the fastest is budget {budget}: {its_peak:.1f} MiB, {fastest:.3f} s/step, "
-                   f"{seconds / fastest:.2f}x its time")
+        verdict = (
+            f"at or under that peak, the fastest is budget {budget}: {its_peak:.1f} MiB, {fastest:.3f} s/step, "
+            f"{seconds / fastest:.2f}x its time"
+        )
     else:
         lowest = min(run["peaks_mib"][-1] for run in row["memory_budget"].values())
         verdict = f"no budget reaches that peak (the lowest: {lowest:.1f} MiB)"
-    return (f"torch's activation_memory_budget, no compression ({runs}); the target {target:.2f} MiB peaked at "
-            f"{peak:.1f} MiB, {seconds:.3f} s/step: {verdict}\n")
+    return (
+        f"torch's activation_memory_budget, no compression ({runs}); the target {target:.2f} MiB peaked at "
+        f"{peak:.1f} MiB, {seconds:.3f} s/step: {verdict}\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -258,17 +330,23 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    results = {"command": "python benchmarks/memory_target.py " + " ".join(argv or sys.argv[1:]),
-               "environment": environment(device), "commit": _git("rev-parse", "HEAD")[:12], "started": started,
-               "models": {}}
+    results = {
+        "command": "python benchmarks/memory_target.py " + " ".join(argv or sys.argv[1:]),
+        "environment": environment(device),
+        "commit": _git("rev-parse", "HEAD")[:12],
+        "started": started,
+        "models": {},
+    }
     mode = "_compiled" if args.compile else ""
     out = args.out or REPO / "benchmarks" / "results" / f"memory_target{mode}_{device.type}.json"
     for name in args.models:
         results["models"][name] = measure_model(name, args.steps, device, args.data_dir, args.compile)
         out.write_text(json.dumps(results, indent=1) + "\n")
     title = f"# Memory target, {device.type}{', compiled' if args.compile else ''}"
-    report = (f"{title}\n\n`{results['command']}` on {results['environment']['device']}, {started}; "
-              f"commit `{results['commit']}`. Every number below was measured in this run.\n" + table(results) + "\n")
+    report = (
+        f"{title}\n\n`{results['command']}` on {results['environment']['device']}, {started}; "
+        f"commit `{results['commit']}`. Every number below was measured in this run.\n" + table(results) + "\n"
+    )
     out.with_suffix(".md").write_text(report)
     print(report)
 

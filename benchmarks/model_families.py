@@ -33,12 +33,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from lightning_act import ActivationCapture, CompressionConfig
 from torch import nn
 
-from lightning_act import ActivationCapture, CompressionConfig
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_libraries import (  # noqa: E402
+from model_libraries import (
     CASES,
     DATA,
     Workload,
@@ -55,21 +54,45 @@ from model_libraries import (  # noqa: E402
     timm_model,
 )
 
-
 #: HF causal LMs: (config class, model class, config fields besides the vocabulary).
 _CAUSAL = {
-    "opt": ("OPTConfig", "OPTForCausalLM", dict(hidden_size=64, num_hidden_layers=2, ffn_dim=128,
-                                                num_attention_heads=4, word_embed_proj_dim=64)),
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(hidden_size=64, num_hidden_layers=2,
-                                                              intermediate_size=128, num_attention_heads=4)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2,
-                                                            num_attention_heads=4, num_key_value_heads=2)),
-    "phi": ("PhiConfig", "PhiForCausalLM", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                num_attention_heads=4)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2,
-                                                      num_attention_heads=4, num_key_value_heads=2)),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                      num_attention_heads=4, num_key_value_heads=1, head_dim=16)),
+    "opt": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        dict(hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64),
+    ),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4),
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    ),
+    "phi": (
+        "PhiConfig",
+        "PhiForCausalLM",
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    ),
+    "gemma": (
+        "GemmaConfig",
+        "GemmaForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+        ),
+    ),
     "falcon": ("FalconConfig", "FalconForCausalLM", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)),
     "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=128)),
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=64, n_layer=2, n_head=4)),
@@ -78,19 +101,24 @@ _CAUSAL = {
     # Mamba without its CUDA kernels: the selective scan stepped in Python.
     "mamba": ("MambaConfig", "MambaForCausalLM", dict(hidden_size=64, num_hidden_layers=2, state_size=8)),
 }
-_ENCODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                max_position_embeddings=130)
+_ENCODER = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, max_position_embeddings=130
+)
 #: HF sequence classifiers on bytes: (config class, model class, config fields).
 _ENCODERS = {
     "roberta": ("RobertaConfig", "RobertaForSequenceClassification", _ENCODER),
     "electra": ("ElectraConfig", "ElectraForSequenceClassification", dict(_ENCODER, embedding_size=32)),
-    "distilbert": ("DistilBertConfig", "DistilBertForSequenceClassification",
-                   dict(dim=64, n_layers=2, n_heads=4, hidden_dim=128)),
+    "distilbert": (
+        "DistilBertConfig",
+        "DistilBertForSequenceClassification",
+        dict(dim=64, n_layers=2, n_heads=4, hidden_dim=128),
+    ),
     "albert": ("AlbertConfig", "AlbertForSequenceClassification", dict(_ENCODER, embedding_size=32)),
     "deberta": ("DebertaV2Config", "DebertaV2ForSequenceClassification", _ENCODER),
 }
-_PATCHES = dict(image_size=32, patch_size=4, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                intermediate_size=128)
+_PATCHES = dict(
+    image_size=32, patch_size=4, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+)
 _STAGES = dict(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1])
 #: HF image classifiers on CIFAR-10: (config class, model class, config fields).
 _VISION = {
@@ -101,13 +129,28 @@ _VISION = {
 }
 #: timm architectures on CIFAR-10 images, batch 8, with the arguments that fit them to 32 x 32.
 _TIMM = {
-    "poolformer_s12": {}, "levit_128s": dict(img_size=32), "deit_tiny_patch16_224": dict(img_size=32, patch_size=4, depth=2),
-    "resnet18": {}, "regnetx_002": {}, "densenet121": {}, "mobilevit_xxs": {}, "coatnet_nano_rw_224": dict(img_size=32),
-    "ghostnet_100": {}, "repvgg_a0": {}, "xcit_nano_12_p8_224": dict(img_size=32, depth=2),
+    "poolformer_s12": {},
+    "levit_128s": dict(img_size=32),
+    "deit_tiny_patch16_224": dict(img_size=32, patch_size=4, depth=2),
+    "resnet18": {},
+    "regnetx_002": {},
+    "densenet121": {},
+    "mobilevit_xxs": {},
+    "coatnet_nano_rw_224": dict(img_size=32),
+    "ghostnet_100": {},
+    "repvgg_a0": {},
+    "xcit_nano_12_p8_224": dict(img_size=32, depth=2),
     "cait_xxs24_224": dict(img_size=32, patch_size=4, depth=2),
     "beit_base_patch16_224": dict(img_size=32, patch_size=4, depth=2, embed_dim=64, num_heads=4),
-    "hrnet_w18_small": {}, "dla34": {}, "nfnet_l0": {}, "tresnet_m": {}, "rexnet_100": {}, "mobileone_s0": {},
-    "fastvit_t8": {}, "resnest14d": {}, "edgenext_xx_small": {},
+    "hrnet_w18_small": {},
+    "dla34": {},
+    "nfnet_l0": {},
+    "tresnet_m": {},
+    "rexnet_100": {},
+    "mobileone_s0": {},
+    "fastvit_t8": {},
+    "resnest14d": {},
+    "edgenext_xx_small": {},
 }
 
 
@@ -136,10 +179,24 @@ def hf_whisper(data: Path) -> Workload:
     with cross-attention; the features are random, the labels Tiny Shakespeare's bytes."""
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
-    config = WhisperConfig(vocab_size=256, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                           decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
-                           max_source_positions=32, max_target_positions=64, pad_token_id=0, bos_token_id=1,
-                           eos_token_id=2, decoder_start_token_id=1, attn_implementation="sdpa")
+    config = WhisperConfig(
+        vocab_size=256,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        num_mel_bins=16,
+        max_source_positions=32,
+        max_target_positions=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+        attn_implementation="sdpa",
+    )
     model = WhisperForConditionalGeneration(config).train()
     features = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(0))
     labels = shakespeare_bytes(data, batch=4, length=24)[:, 1:].contiguous()
@@ -151,11 +208,23 @@ def hf_wav2vec2_ctc(data: Path) -> Workload:
     a transformer with dropout on its attention, and the CTC loss."""
     from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
 
-    config = Wav2Vec2Config(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            intermediate_size=128, conv_dim=(32, 32, 32), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3),
-                            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, pad_token_id=0,
-                            ctc_loss_reduction="mean", do_stable_layer_norm=True, feat_extract_norm="layer",
-                            mask_time_prob=0.0)
+    config = Wav2Vec2Config(
+        vocab_size=32,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        conv_dim=(32, 32, 32),
+        conv_stride=(5, 2, 2),
+        conv_kernel=(10, 3, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        pad_token_id=0,
+        ctc_loss_reduction="mean",
+        do_stable_layer_norm=True,
+        feat_extract_norm="layer",
+        mask_time_prob=0.0,
+    )
     model = Wav2Vec2ForCTC(config).train()
     generator = torch.Generator().manual_seed(0)
     audio = torch.randn(4, 4000, generator=generator)
@@ -169,13 +238,17 @@ def hf_clip(data: Path) -> Workload:
     from transformers import CLIPConfig, CLIPModel
 
     layers = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    config = CLIPConfig(text_config=dict(vocab_size=256, max_position_embeddings=64, **layers),
-                        vision_config=dict(image_size=32, patch_size=4, **layers), projection_dim=32)
+    config = CLIPConfig(
+        text_config=dict(vocab_size=256, max_position_embeddings=64, **layers),
+        vision_config=dict(image_size=32, patch_size=4, **layers),
+        projection_dim=32,
+    )
     model = CLIPModel(config).train()
     images, _ = cifar_images(data, 16)
     text = shakespeare_bytes(data, batch=16, length=31)
-    return Workload(model, _seeded(lambda: model(input_ids=text, pixel_values=images, return_loss=True).loss),
-                    (images, text))
+    return Workload(
+        model, _seeded(lambda: model(input_ids=text, pixel_values=images, return_loss=True).loss), (images, text)
+    )
 
 
 def hf_segformer(data: Path) -> Workload:
@@ -183,9 +256,18 @@ def hf_segformer(data: Path) -> Workload:
     depthwise convolutions, and an upsampled per-pixel loss (four brightness bands)."""
     from transformers import SegformerConfig, SegformerForSemanticSegmentation
 
-    config = SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
-                             patch_sizes=[3, 3], strides=[2, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
-                             decoder_hidden_size=32, num_labels=4)
+    config = SegformerConfig(
+        num_encoder_blocks=2,
+        depths=[1, 1],
+        sr_ratios=[2, 1],
+        hidden_sizes=[16, 32],
+        patch_sizes=[3, 3],
+        strides=[2, 2],
+        num_attention_heads=[1, 2],
+        mlp_ratios=[2, 2],
+        decoder_hidden_size=32,
+        num_labels=4,
+    )
     model = SegformerForSemanticSegmentation(config).train()
     images, _ = cifar_images(data, 8)
     labels = (images.mean(1) * 2).clamp(-1.99, 1.99).add(2).long()
@@ -215,8 +297,9 @@ class GraphFamily(nn.Module):
         elif conv == "cheb":
             self.first, self.second = gnn.ChebConv(features, hidden, K=3), gnn.ChebConv(hidden, classes, K=3)
         elif conv == "edgeconv":  # max aggregation of edge MLPs
-            self.first = gnn.EdgeConv(nn.Sequential(nn.Linear(2 * features, hidden), nn.ReLU(), nn.Linear(hidden, hidden)),
-                                      aggr="max")
+            self.first = gnn.EdgeConv(
+                nn.Sequential(nn.Linear(2 * features, hidden), nn.ReLU(), nn.Linear(hidden, hidden)), aggr="max"
+            )
             self.second = gnn.EdgeConv(nn.Linear(2 * hidden, classes), aggr="max")
         elif conv == "gat":
             self.first, self.second = gnn.GATConv(features, hidden // 4, heads=4), gnn.GATConv(hidden, classes)
@@ -330,8 +413,13 @@ def main() -> None:
     parser.add_argument("cases", nargs="*", help=f"default: every family ({', '.join(FAMILIES)})")
     parser.add_argument("--compiled", action="store_true", help="each model under torch.compile (inductor)")
     parser.add_argument("--seeds", type=int, default=8)
-    parser.add_argument("--first-steps", type=int, default=0, metavar="N",
-                        help="the peaks of a fresh model's first N steps instead, none and 2 bits")
+    parser.add_argument(
+        "--first-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the peaks of a fresh model's first N steps instead, none and 2 bits",
+    )
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
@@ -350,26 +438,47 @@ def main() -> None:
         try:
             if args.first_steps:
                 row = first_step_peaks(name, args.data, args.first_steps, args.compiled)
-                line = "peaks " + "; ".join(f"{method} " + ", ".join(f"{peak / 2**20:.2f}" for peak in row[method])
-                                            for method in ("none", "act_2bit"))
+                line = "peaks " + "; ".join(
+                    f"{method} " + ", ".join(f"{peak / 2**20:.2f}" for peak in row[method])
+                    for method in ("none", "act_2bit")
+                )
                 line += f" MiB, worst 2-bit / worst none {row['worst_over_none']:.2f}"
             else:
                 m = measure(name, args.data, args.seeds, args.compiled)
                 missed = [f for f in failures(m) if "closer than one seed" not in f]  # its own seeds: printed
-                row = {"error_8bit": m.error_8bit, "error_2bit": m.error_2bit, "unbiased_ratio": m.unbiased_ratio,
-                       "kept_ratio": m.kept_ratio, "peak_ratio": m.peak_ratio, "stored_bytes": m.stored_bytes,
-                       "missed": missed}
-                line = (f"8-bit {m.error_8bit:.4f}  2-bit {m.error_2bit:.3f}  mean of {args.seeds} "
-                        f"{m.unbiased_ratio:.2f}x closer  kept {m.kept_ratio:5.2f}x  peak {m.peak_ratio:.3f}  "
-                        + "; ".join(missed))
-        except Exception as error:  # noqa: BLE001 - recorded: a case that fails is a finding
+                row = {
+                    "error_8bit": m.error_8bit,
+                    "error_2bit": m.error_2bit,
+                    "unbiased_ratio": m.unbiased_ratio,
+                    "kept_ratio": m.kept_ratio,
+                    "peak_ratio": m.peak_ratio,
+                    "stored_bytes": m.stored_bytes,
+                    "missed": missed,
+                }
+                line = (
+                    f"8-bit {m.error_8bit:.4f}  2-bit {m.error_2bit:.3f}  mean of {args.seeds} "
+                    f"{m.unbiased_ratio:.2f}x closer  kept {m.kept_ratio:5.2f}x  peak {m.peak_ratio:.3f}  "
+                    + "; ".join(missed)
+                )
+        except Exception as error:
             row = {"failed": f"{type(error).__name__}: {str(error)[:2000]}"}
             line = f"failed: {row['failed'][:300]}"
         rows[name] = row
         print(f"{name:28s} {line}  {time.perf_counter() - started:4.0f} s", flush=True)
         # Written after every case: a long sweep stopped midway keeps what it measured.
-        path.write_text(json.dumps({"command": command, "torch": torch.__version__, "seeds": args.seeds,
-                                    "date": time.strftime("%Y-%m-%d"), "cases": rows}, indent=1) + "\n")
+        path.write_text(
+            json.dumps(
+                {
+                    "command": command,
+                    "torch": torch.__version__,
+                    "seeds": args.seeds,
+                    "date": time.strftime("%Y-%m-%d"),
+                    "cases": rows,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

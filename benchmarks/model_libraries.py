@@ -50,11 +50,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.profiler import ProfilerActivity, profile, record_function
-
 from lightning_act import ActivationCapture, CompressionConfig
 from lightning_act.policy import EXACT, BitPolicy
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SEEDS = 16
@@ -76,7 +75,7 @@ def shakespeare_bytes(data: Path, batch: int, length: int, offset: int = 0) -> t
     """``batch`` windows of ``length + 1`` bytes of Tiny Shakespeare, as int64 token ids."""
     text = (data / "tinyshakespeare" / "input.txt").read_bytes()
     stride = len(text) // (batch + 1)
-    rows = [list(text[offset + i * stride: offset + i * stride + length + 1]) for i in range(batch)]
+    rows = [list(text[offset + i * stride : offset + i * stride + length + 1]) for i in range(batch)]
     return torch.tensor(rows, dtype=torch.long)
 
 
@@ -118,9 +117,16 @@ def _seeded(loss: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
 def hf_llama(data: Path, checkpointing: bool = False, lora: bool = False) -> Workload:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
     model = LlamaForCausalLM(config)
     if checkpointing:
         model.gradient_checkpointing_enable()
@@ -143,9 +149,17 @@ def hf_mixtral(data: Path) -> Workload:
     (one matmul per group of routed tokens), as transformers runs them on a GPU."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    config = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                           max_position_embeddings=128)
+    config = MixtralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+    )
     config._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
     model = MixtralForCausalLM(config).to(torch.bfloat16).train()
@@ -156,9 +170,16 @@ def hf_mixtral(data: Path) -> Workload:
 def hf_bert(data: Path) -> Workload:
     from transformers import BertConfig, BertForSequenceClassification
 
-    config = BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, max_position_embeddings=128, num_labels=4,
-                        attn_implementation="sdpa")
+    config = BertConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        num_labels=4,
+        attn_implementation="sdpa",
+    )
     model = BertForSequenceClassification(config).train()
     tokens = shakespeare_bytes(data, batch=16, length=64)
     x, y = tokens[:, :-1], _byte_class(tokens[:, -1])
@@ -168,8 +189,17 @@ def hf_bert(data: Path) -> Workload:
 def hf_t5(data: Path) -> Workload:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    config = T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
-                      num_heads=4, decoder_start_token_id=0, pad_token_id=0)
+    config = T5Config(
+        vocab_size=256,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     model = T5ForConditionalGeneration(config).train()
     tokens = shakespeare_bytes(data, batch=8, length=64)
     # Continue the text: the encoder reads 32 bytes, the decoder writes the next 32.
@@ -197,14 +227,19 @@ class GraphNetwork(nn.Module):
         elif conv == "sage":
             self.conv1, self.conv2 = gnn.SAGEConv(in_channels, hidden), gnn.SAGEConv(hidden, classes)
         elif conv == "gin":
-            self.conv1 = gnn.GINConv(nn.Sequential(nn.Linear(in_channels, hidden), nn.ReLU(), nn.Linear(hidden, hidden)))
+            self.conv1 = gnn.GINConv(
+                nn.Sequential(nn.Linear(in_channels, hidden), nn.ReLU(), nn.Linear(hidden, hidden))
+            )
             self.conv2 = gnn.GINConv(nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes)))
         elif conv == "sage_max":  # max aggregation: scatter_reduce's amax
             self.conv1 = gnn.SAGEConv(in_channels, hidden, aggr="max")
             self.conv2 = gnn.SAGEConv(hidden, classes, aggr="max")
         elif conv == "pna":  # min, max and std aggregators: amin's and amax's equality tests, a root
-            options = dict(aggregators=["mean", "min", "max", "std"], scalers=["identity", "amplification",
-                           "attenuation"], deg=degrees)
+            options = dict(
+                aggregators=["mean", "min", "max", "std"],
+                scalers=["identity", "amplification", "attenuation"],
+                deg=degrees,
+            )
             self.conv1 = gnn.PNAConv(in_channels, hidden, **options)
             self.conv2 = gnn.PNAConv(hidden, classes, **options)
         elif conv == "gatv2":
@@ -214,7 +249,9 @@ class GraphNetwork(nn.Module):
             self.conv1 = gnn.TransformerConv(in_channels, hidden // 4, heads=4)
             self.conv2 = gnn.TransformerConv(hidden, classes, heads=1)
         else:
-            raise ValueError(f"conv={conv!r} is not supported; allowed: gcn, sage, sage_max, pna, gin, gatv2, transformer")
+            raise ValueError(
+                f"conv={conv!r} is not supported; allowed: gcn, sage, sage_max, pna, gin, gatv2, transformer"
+            )
         self.dropout = nn.Dropout(0.5)
 
     def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
@@ -260,10 +297,17 @@ def diffusers_unet(data: Path, batch: int = 8) -> Workload:
     predict the noise of DDPM's forward process at a random step."""
     from diffusers import UNet2DModel
 
-    model = UNet2DModel(sample_size=32, in_channels=3, out_channels=3, layers_per_block=1,
-                        block_out_channels=(32, 64), norm_num_groups=8, attention_head_dim=8,
-                        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-                        up_block_types=("AttnUpBlock2D", "UpBlock2D")).train()
+    model = UNet2DModel(
+        sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        norm_num_groups=8,
+        attention_head_dim=8,
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+    ).train()
     images, _ = cifar_images(data, batch)
     generator = torch.Generator().manual_seed(0)
     steps = torch.randint(0, 1000, (batch,), generator=generator)
@@ -279,8 +323,9 @@ def torchvision_detector(data: Path, batch: int = 4, size: int = 160) -> Workloa
     with two synthetic boxes each."""
     from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_fpn
 
-    model = fasterrcnn_mobilenet_v3_large_fpn(weights=None, weights_backbone=None, num_classes=11,
-                                              min_size=size, max_size=size).train()
+    model = fasterrcnn_mobilenet_v3_large_fpn(
+        weights=None, weights_backbone=None, num_classes=11, min_size=size, max_size=size
+    ).train()
     images, labels = cifar_images(data, batch)
     images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
     generator = torch.Generator().manual_seed(0)
@@ -343,8 +388,17 @@ CASES: dict[str, Case] = {
     "timm_efficientnet_b0": _case("timm", timm_model, "efficientnet_b0"),
     "timm_convnext_atto": _case("timm", timm_model, "convnext_atto"),
     "timm_vit_tiny": _case("timm", timm_model, "vit_tiny_patch16_224", batch=8, img_size=32, patch_size=4, depth=4),
-    "timm_swin_tiny": _case("timm", timm_model, "swin_tiny_patch4_window7_224", img_size=32, patch_size=2,
-                            window_size=4, embed_dim=48, depths=(2, 2), num_heads=(3, 6)),
+    "timm_swin_tiny": _case(
+        "timm",
+        timm_model,
+        "swin_tiny_patch4_window7_224",
+        img_size=32,
+        patch_size=2,
+        window_size=4,
+        embed_dim=48,
+        depths=(2, 2),
+        num_heads=(3, 6),
+    ),
     "pyg_gcn": _case("torch_geometric", pyg_cora, "gcn"),
     "pyg_sage": _case("torch_geometric", pyg_cora, "sage"),
     "pyg_sage_max": _case("torch_geometric", pyg_cora, "sage_max"),
@@ -464,8 +518,12 @@ class Measurement:
         return self.peak_bytes_2bit / self.peak_bytes_none
 
     def row(self) -> dict:
-        return {**asdict(self), "unbiased_ratio": self.unbiased_ratio, "kept_ratio": self.kept_ratio,
-                "peak_ratio": self.peak_ratio}
+        return {
+            **asdict(self),
+            "unbiased_ratio": self.unbiased_ratio,
+            "kept_ratio": self.kept_ratio,
+            "peak_ratio": self.peak_ratio,
+        }
 
 
 def measure(name: str, data: Path = DATA, seeds: int = SEEDS, compiled: bool = False) -> Measurement:
@@ -485,9 +543,22 @@ def measure(name: str, data: Path = DATA, seeds: int = SEEDS, compiled: bool = F
     kept_none, peak_none = step_memory(workload, None)
     kept_2bit, peak_2bit = step_memory(workload, capture2)
     slots = [{"slot": slot, **asdict(s)} for slot, s in capture2.report.slots.items()]
-    return Measurement(name, error_8bit, error_2bit, mean_error_2bit, seeds, kept_none, kept_2bit, peak_none,
-                       peak_2bit, report.saved_bytes, report.stored_bytes, time.perf_counter() - started,
-                       dict(report.counts), slots)
+    return Measurement(
+        name,
+        error_8bit,
+        error_2bit,
+        mean_error_2bit,
+        seeds,
+        kept_none,
+        kept_2bit,
+        peak_none,
+        peak_2bit,
+        report.saved_bytes,
+        report.stored_bytes,
+        time.perf_counter() - started,
+        dict(report.counts),
+        slots,
+    )
 
 
 def _alone(workload: Workload, exact: torch.Tensor, slots: set[str], seeds: int) -> dict:
@@ -497,9 +568,12 @@ def _alone(workload: Workload, exact: torch.Tensor, slots: set[str], seeds: int)
     two = ActivationCapture(CompressionConfig(), workload.model, SomeSlots(slots, 2))
     single, mean = seed_errors(workload, two, exact, seeds)
     eight = ActivationCapture(CompressionConfig(), workload.model, SomeSlots(slots, 8))
-    return {"error_2bit": single, "mean_error_2bit": mean,
-            "bias_2bit": math.sqrt(max(0.0, (seeds * mean**2 - single**2) / (seeds - 1))),
-            "error_8bit": relative_error(weight_grad(workload, eight, seed=0), exact)}
+    return {
+        "error_2bit": single,
+        "mean_error_2bit": mean,
+        "bias_2bit": math.sqrt(max(0.0, (seeds * mean**2 - single**2) / (seeds - 1))),
+        "error_8bit": relative_error(weight_grad(workload, eight, seed=0), exact),
+    }
 
 
 def find_culprits(name: str, data: Path = DATA, seeds: int = 8, top_ops: int = 3, per_op: int = 6) -> dict:
@@ -521,17 +595,36 @@ def find_culprits(name: str, data: Path = DATA, seeds: int = 8, top_ops: int = 3
     by_op: dict[str, list[str]] = {}
     for slot, memory in compressed.items():
         by_op.setdefault(str(memory.op), []).append(slot)
-    ops = [{"op": op, "slots": len(slots), "numel": sum(math.prod(compressed[s].shape) for s in slots),
-            **_alone(workload, exact, set(slots), seeds)} for op, slots in by_op.items()]
-    suspects = {row["op"] for key in ("bias_2bit", "error_8bit")
-                for row in sorted(ops, key=lambda row: row[key], reverse=True)[:top_ops]}
+    ops = [
+        {
+            "op": op,
+            "slots": len(slots),
+            "numel": sum(math.prod(compressed[s].shape) for s in slots),
+            **_alone(workload, exact, set(slots), seeds),
+        }
+        for op, slots in by_op.items()
+    ]
+    suspects = {
+        row["op"]
+        for key in ("bias_2bit", "error_8bit")
+        for row in sorted(ops, key=lambda row: row[key], reverse=True)[:top_ops]
+    }
     rows = []
     for op in suspects:
         slots = by_op[op]
         for slot in dict.fromkeys(slots[i * len(slots) // per_op] for i in range(per_op)):
             memory = compressed[slot]
-            rows.append({"slot": slot, "module": memory.module, "op": memory.op, "shape": list(memory.shape),
-                         "codec": memory.codec, "bits": memory.bits, **_alone(workload, exact, {slot}, seeds)})
+            rows.append(
+                {
+                    "slot": slot,
+                    "module": memory.module,
+                    "op": memory.op,
+                    "shape": list(memory.shape),
+                    "codec": memory.codec,
+                    "bits": memory.bits,
+                    **_alone(workload, exact, {slot}, seeds),
+                }
+            )
     rows.sort(key=lambda row: row["bias_2bit"], reverse=True)
     ops.sort(key=lambda row: row["bias_2bit"], reverse=True)
     return {"ops": ops, "slots": rows}
@@ -562,8 +655,14 @@ def _results_of_run(args, path: Path) -> tuple[str, dict]:
     """This run's command and the results it writes to ``path``: cases not run now keep
     their earlier rows, and each row names the command that measured it."""
     earlier = json.loads(path.read_text()) if path.exists() else {}
-    results = {"device": "cpu", "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-               "date": time.strftime("%Y-%m-%d"), "seeds": args.seeds, "cases": earlier.get("cases", {})}
+    results = {
+        "device": "cpu",
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "seeds": args.seeds,
+        "cases": earlier.get("cases", {}),
+    }
     return " ".join(["python", *sys.argv]), results
 
 
@@ -577,15 +676,18 @@ def side_by_side(args) -> None:
         row = {"case": name, "command": command}
         try:
             eager, compiled = (measure(name, args.data, args.seeds, compiled) for compiled in (False, True))
-        except Exception as error:  # noqa: BLE001 - recorded: a case that fails is a finding
+        except Exception as error:
             print(f"{name:<28} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
             row["failed"] = f"{type(error).__name__}: {str(error)[:2000]}"
         else:
             ratio = compiled.stored_bytes / max(eager.stored_bytes, 1)
             row.update(eager=eager.row(), compiled=compiled.row(), compiled_over_eager=ratio)
-            print(f"{name:<28} {eager.stored_bytes / 2**20:>9.2f} MiB {compiled.stored_bytes / 2**20:>6.2f} MiB"
-                  f" {ratio:>5.2f}x {eager.error_8bit:>7.4f} / {compiled.error_8bit:.4f}"
-                  f" {eager.unbiased_ratio:>5.2f} / {compiled.unbiased_ratio:.2f}", flush=True)
+            print(
+                f"{name:<28} {eager.stored_bytes / 2**20:>9.2f} MiB {compiled.stored_bytes / 2**20:>6.2f} MiB"
+                f" {ratio:>5.2f}x {eager.error_8bit:>7.4f} / {compiled.error_8bit:.4f}"
+                f" {eager.unbiased_ratio:>5.2f} / {compiled.unbiased_ratio:.2f}",
+                flush=True,
+            )
         results["cases"][name] = row
         args.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1))
@@ -600,8 +702,11 @@ def main():
     parser.add_argument("--seeds", type=int, default=SEEDS)
     parser.add_argument("--culprit-seeds", type=int, default=8, help="rounding seeds per slot in the culprit search")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--side-by-side", action="store_true",
-                        help="each model eager and compiled in one run: stored bytes, errors and bias side by side")
+    parser.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="each model eager and compiled in one run: stored bytes, errors and bias side by side",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.side_by_side:
@@ -613,24 +718,33 @@ def main():
     for name in args.only or CASES:
         try:
             m = measure(name, args.data, args.seeds)
-        except Exception as error:  # noqa: BLE001 - recorded: a case that fails is a finding
+        except Exception as error:
             print(f"{name:<28} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
-            results["cases"][name] = {"case": name, "failed": f"{type(error).__name__}: {str(error)[:2000]}",
-                                      "command": command}
+            results["cases"][name] = {
+                "case": name,
+                "failed": f"{type(error).__name__}: {str(error)[:2000]}",
+                "command": command,
+            }
             path.write_text(json.dumps(results, indent=1))
             continue
         row = m.row()
         row["failures"] = failures(m)
         row["command"] = command
-        print(f"{name:<28} {m.error_8bit:>8.4f} {m.error_2bit:>8.4f} {m.mean_error_2bit:>8.4f}"
-              f" {m.unbiased_ratio:>5.2f}x {m.kept_ratio:>6.2f}x {m.peak_ratio:>5.3f} {m.seconds:>5.1f}", flush=True)
+        print(
+            f"{name:<28} {m.error_8bit:>8.4f} {m.error_2bit:>8.4f} {m.mean_error_2bit:>8.4f}"
+            f" {m.unbiased_ratio:>5.2f}x {m.kept_ratio:>6.2f}x {m.peak_ratio:>5.3f} {m.seconds:>5.1f}",
+            flush=True,
+        )
         if m.error_8bit >= MAX_ERROR_8BIT or m.unbiased_ratio < MIN_UNBIASED_RATIO:
             row["culprits"] = find_culprits(name, args.data, args.culprit_seeds)
             for kind in ("ops", "slots"):
                 for c in row["culprits"][kind]:
                     label = c["op"] if kind == "ops" else f"{c['slot']} ({c['op']}, {tuple(c['shape'])})"
-                    print(f"    {label:<70} bias {c['bias_2bit']:.4f}  one seed {c['error_2bit']:.4f}"
-                          f"  8-bit {c['error_8bit']:.4f}", flush=True)
+                    print(
+                        f"    {label:<70} bias {c['bias_2bit']:.4f}  one seed {c['error_2bit']:.4f}"
+                        f"  8-bit {c['error_8bit']:.4f}",
+                        flush=True,
+                    )
         results["cases"][name] = row
         args.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1))

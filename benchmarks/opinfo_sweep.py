@@ -26,7 +26,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-
 from lightning_act import compress_activations
 
 SAMPLES_PER_OP = 3
@@ -38,23 +37,52 @@ ERROR_AT_8_BITS = 0.1
 EXEMPT_AT_8_BITS = {
     # Inverses and decompositions of random matrices: the gradient grows with the condition
     # number, and a sample's smallest singular value can be 1e-3 of its largest.
-    "linalg.inv": "condition number", "linalg.inv_ex": "condition number", "linalg.solve": "condition number",
-    "linalg.solve_ex": "condition number", "linalg.pinv": "condition number", "linalg.tensorinv": "condition number",
-    "linalg.tensorsolve": "condition number", "linalg.eig": "eigenvalue gaps", "linalg.eigh": "eigenvalue gaps",
-    "linalg.eigvals": "eigenvalue gaps", "linalg.eigvalsh": "eigenvalue gaps", "linalg.svd": "singular gaps",
-    "linalg.svdvals": "singular gaps", "svd": "singular gaps", "svd_lowrank": "singular gaps",
-    "pca_lowrank": "singular gaps", "linalg.lstsq": "condition number", "linalg.matrix_power": "condition number",
-    "linalg.det": "condition number", "linalg.slogdet": "condition number", "logdet": "condition number",
-    "det": "condition number", "linalg.lu_solve": "condition number", "lu_solve": "condition number",
-    "cholesky_inverse": "condition number", "linalg.cholesky": "condition number",
-    "linalg.cholesky_ex": "condition number", "triangular_solve": "condition number",
-    "linalg.solve_triangular": "condition number", "linalg.lu": "condition number",
-    "linalg.lu_factor": "condition number", "linalg.lu_factor_ex": "condition number", "lu": "condition number",
-    "linalg.ldl_factor": "condition number", "linalg.ldl_factor_ex": "condition number",
-    "linalg.householder_product": "condition number", "geqrf": "condition number", "linalg.qr": "condition number",
-    "linalg.matrix_norm": "singular gaps", "linalg.norm": "singular gaps", "nuclear_norm": "singular gaps",
-    "linalg.cond": "condition number", "linalg.matrix_rank": "singular gaps", "cdist": "zero distances",
-    "pdist": "zero distances", "nn.functional.pdist": "zero distances",
+    "linalg.inv": "condition number",
+    "linalg.inv_ex": "condition number",
+    "linalg.solve": "condition number",
+    "linalg.solve_ex": "condition number",
+    "linalg.pinv": "condition number",
+    "linalg.tensorinv": "condition number",
+    "linalg.tensorsolve": "condition number",
+    "linalg.eig": "eigenvalue gaps",
+    "linalg.eigh": "eigenvalue gaps",
+    "linalg.eigvals": "eigenvalue gaps",
+    "linalg.eigvalsh": "eigenvalue gaps",
+    "linalg.svd": "singular gaps",
+    "linalg.svdvals": "singular gaps",
+    "svd": "singular gaps",
+    "svd_lowrank": "singular gaps",
+    "pca_lowrank": "singular gaps",
+    "linalg.lstsq": "condition number",
+    "linalg.matrix_power": "condition number",
+    "linalg.det": "condition number",
+    "linalg.slogdet": "condition number",
+    "logdet": "condition number",
+    "det": "condition number",
+    "linalg.lu_solve": "condition number",
+    "lu_solve": "condition number",
+    "cholesky_inverse": "condition number",
+    "linalg.cholesky": "condition number",
+    "linalg.cholesky_ex": "condition number",
+    "triangular_solve": "condition number",
+    "linalg.solve_triangular": "condition number",
+    "linalg.lu": "condition number",
+    "linalg.lu_factor": "condition number",
+    "linalg.lu_factor_ex": "condition number",
+    "lu": "condition number",
+    "linalg.ldl_factor": "condition number",
+    "linalg.ldl_factor_ex": "condition number",
+    "linalg.householder_product": "condition number",
+    "geqrf": "condition number",
+    "linalg.qr": "condition number",
+    "linalg.matrix_norm": "singular gaps",
+    "linalg.norm": "singular gaps",
+    "nuclear_norm": "singular gaps",
+    "linalg.cond": "condition number",
+    "linalg.matrix_rank": "singular gaps",
+    "cdist": "zero distances",
+    "pdist": "zero distances",
+    "nn.functional.pdist": "zero distances",
     # The two attention kernels below miss 0.1 at 8 bits on these samples (inputs of up to +-9
     # make logits of up to +-200), and the sweep measures which loses the gradient
     # (``input_step_change``; the committed run's figures): the op, at that precision. Moved
@@ -106,8 +134,11 @@ def gradients(op, sample, compress_bits: int | None):
         with compress_activations(bits=compress_bits, min_numel=1):
             out = run()
     # The projection is outside the compressed region: only what the op saves is rounded.
-    outs = [o for o in torch.utils._pytree.tree_leaves(out)
-            if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
+    outs = [
+        o
+        for o in torch.utils._pytree.tree_leaves(out)
+        if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()
+    ]
     if not outs:
         return None
     generator = torch.Generator().manual_seed(0)
@@ -166,8 +197,9 @@ def input_step_change(op, sample, exact) -> float:
             sign = torch.randint(0, 2, x.shape, generator=generator).to(x.dtype) * 2 - 1
             return (x + step * sign).requires_grad_(True)
 
-    shifted = SimpleNamespace(**{name: torch.utils._pytree.tree_map(moved, getattr(sample, name))
-                                 for name in ("input", "args", "kwargs")})
+    shifted = SimpleNamespace(
+        **{name: torch.utils._pytree.tree_map(moved, getattr(sample, name)) for name in ("input", "args", "kwargs")}
+    )
     torch.manual_seed(0)
     return relative_error(gradients(op, shifted, None), exact)
 
@@ -187,7 +219,7 @@ def sweep(op, bits: int) -> Sweep:
             continue
         try:
             noisy = gradients(op, sample, bits)
-        except Exception as error:  # noqa: BLE001 - any exception is the failure measured
+        except Exception as error:
             result.raised = f"{type(error).__name__}: {error}"[:300]
             return result
         result.compared += 1
@@ -218,12 +250,13 @@ def main() -> None:
     print(f"{len(ops)} differentiable ops; with a sample to compare: {compared}")
     for bits in args.bits:
         at = [r for r in rows if r.bits == bits]
-        print(f"{bits} bits: {sum(r.raised is not None for r in at)} raise, "
-              f"{sum(r.nonfinite for r in at)} non-finite")
+        print(f"{bits} bits: {sum(r.raised is not None for r in at)} raise, {sum(r.nonfinite for r in at)} non-finite")
     above = [r for r in rows if r.bits == 8 and r.error > ERROR_AT_8_BITS]
     print(f"above {ERROR_AT_8_BITS} relative error at 8 bits: {len(above)}")
-    print("  (op, error, the exact gradient's change for inputs moved by half an 8-bit step, which of the two "
-          "loses the gradient, the reason named in EXEMPT_AT_8_BITS)")
+    print(
+        "  (op, error, the exact gradient's change for inputs moved by half an 8-bit step, which of the two "
+        "loses the gradient, the reason named in EXEMPT_AT_8_BITS)"
+    )
     for r in sorted(above, key=lambda r: -r.error):
         name = r.op.split(".")[0] if r.op.split(".")[0] in EXEMPT_AT_8_BITS else r.op
         reason = EXEMPT_AT_8_BITS.get(r.op) or EXEMPT_AT_8_BITS.get(name) or "not exempt"
@@ -231,10 +264,17 @@ def main() -> None:
         print(f"  {r.op:48s} {r.error:10.3g} {r.input_step_change:10.3g}  {measured:11s}  {reason}")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "opinfo_sweep_cpu.json"
-    path.write_text(json.dumps({
-        "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-        "seconds": round(time.perf_counter() - started, 1), "rows": [asdict(r) for r in rows],
-    }, indent=1))
+    path.write_text(
+        json.dumps(
+            {
+                "machine": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+                "seconds": round(time.perf_counter() - started, 1),
+                "rows": [asdict(r) for r in rows],
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {path}")
 
 

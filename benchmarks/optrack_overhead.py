@@ -19,9 +19,8 @@ import time
 
 import torch
 import torchvision
-from torch import nn
-
 from lightning_act.optrack import OpTracker
+from torch import nn
 
 
 class _CallCounter(OpTracker):
@@ -65,14 +64,20 @@ def main():
     plain_ms, tracked_ms = statistics.median(plain) * 1e3, statistics.median(tracked) * 1e3
     per_call_us = _per_call_overhead_us()
     estimate_ms = counter.calls * per_call_us / 1e3
-    print(f"ResNet-18 CIFAR stem, batch {args.batch}, CPU ({torch.get_num_threads()} threads), "
-          f"median of {args.rounds} forward+backward steps")
+    print(
+        f"ResNet-18 CIFAR stem, batch {args.batch}, CPU ({torch.get_num_threads()} threads), "
+        f"median of {args.rounds} forward+backward steps"
+    )
     print(f"  without tracker {plain_ms:8.1f} ms   (min {min(plain) * 1e3:.1f})")
     print(f"  with tracker    {tracked_ms:8.1f} ms   (min {min(tracked) * 1e3:.1f})")
-    print(f"  overhead        {tracked_ms - plain_ms:8.1f} ms = {100 * (tracked_ms / plain_ms - 1):+.2f}% "
-          f"(step-to-step noise included)")
-    print(f"  bottom-up       {counter.calls} torch function calls per forward x {per_call_us:.2f} us per call = "
-          f"{estimate_ms:.2f} ms = {100 * estimate_ms / plain_ms:.3f}% of the step")
+    print(
+        f"  overhead        {tracked_ms - plain_ms:8.1f} ms = {100 * (tracked_ms / plain_ms - 1):+.2f}% "
+        f"(step-to-step noise included)"
+    )
+    print(
+        f"  bottom-up       {counter.calls} torch function calls per forward x {per_call_us:.2f} us per call = "
+        f"{estimate_ms:.2f} ms = {100 * estimate_ms / plain_ms:.3f}% of the step"
+    )
 
 
 def _per_call_overhead_us(calls: int = 20000, rounds: int = 7) -> float:

@@ -59,7 +59,11 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (  # noqa: E402  (the harness's workloads: same models, same batches)
+from lightning_act import ActivationCapture, CompressionConfig, ops
+from lightning_act.codecs.quant import GroupQuantCodec, QuantizedTensor
+from lightning_act.policy import AdaptiveBits, FixedBits
+
+from harness import (
     Workload,
     _git,
     build_char_transformer,
@@ -67,10 +71,6 @@ from harness import (  # noqa: E402  (the harness's workloads: same models, same
     environment,
     planetoid,
 )
-
-from lightning_act import ActivationCapture, CompressionConfig, ops  # noqa: E402
-from lightning_act.codecs.quant import GroupQuantCodec, QuantizedTensor  # noqa: E402
-from lightning_act.policy import AdaptiveBits, FixedBits  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -98,8 +98,12 @@ class GraphNetwork(nn.Module):
         elif conv == "sage":
             self.conv1, self.conv2 = gnn.SAGEConv(in_channels, hidden), gnn.SAGEConv(hidden, num_classes)
         elif conv == "gin":
-            self.conv1 = gnn.GINConv(nn.Sequential(nn.Linear(in_channels, hidden), nn.ReLU(), nn.Linear(hidden, hidden)))
-            self.conv2 = gnn.GINConv(nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, num_classes)))
+            self.conv1 = gnn.GINConv(
+                nn.Sequential(nn.Linear(in_channels, hidden), nn.ReLU(), nn.Linear(hidden, hidden))
+            )
+            self.conv2 = gnn.GINConv(
+                nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+            )
         elif conv == "gatv2":
             self.conv1 = gnn.GATv2Conv(in_channels, hidden // heads, heads=heads, dropout=0.5)
             self.conv2 = gnn.GATv2Conv(hidden, num_classes, heads=1, dropout=0.5)
@@ -153,11 +157,17 @@ class ModelSpec:
 TRANSFORMER_SIZES = {"d_model": 256, "n_layers": 4, "n_heads": 4, "block_size": 256, "dropout": 0.0}
 MODELS: dict[str, ModelSpec] = {
     "resnet18_cifar": ModelSpec(
-        "ResNet-18, CIFAR stem, 32x32", build_resnet, 64,
-        {"arch": "resnet18", "image_size": 32, "cifar_stem": True, "num_classes": 10}),
+        "ResNet-18, CIFAR stem, 32x32",
+        build_resnet,
+        64,
+        {"arch": "resnet18", "image_size": 32, "cifar_stem": True, "num_classes": 10},
+    ),
     "resnet50": ModelSpec(
-        "ResNet-50, 224x224", build_resnet, 8,
-        {"arch": "resnet50", "image_size": 224, "cifar_stem": False, "num_classes": 1000}),
+        "ResNet-50, 224x224",
+        build_resnet,
+        8,
+        {"arch": "resnet50", "image_size": 224, "cifar_stem": False, "num_classes": 1000},
+    ),
     "transformer": ModelSpec("pre-norm char transformer d256 L4 T256", build_char_transformer, 16, TRANSFORMER_SIZES),
     "gcn_cora": ModelSpec("GCN on Cora", build_graph_network, 1, {"conv": "gcn"}),
     "sage_cora": ModelSpec("GraphSAGE on Cora", build_graph_network, 1, {"conv": "sage"}),
@@ -285,8 +295,14 @@ def _unwritten_pack(codec: GroupQuantCodec) -> Callable:
         # The op's shape function gives the sizes of its outputs without running it; they
         # depend on the number of values only, not on the axis groups run along.
         codes, stats = ops.quantize_pack(dense.detach().to("meta"), bits, codec.group_size, seed)
-        return _Unwritten(torch.empty_like(codes, device=dense.device), torch.zeros_like(stats, device=dense.device),
-                          bits, codec.group_size, dense.shape, dense.dtype)
+        return _Unwritten(
+            torch.empty_like(codes, device=dense.device),
+            torch.zeros_like(stats, device=dense.device),
+            bits,
+            codec.group_size,
+            dense.shape,
+            dense.dtype,
+        )
 
     return pack
 
@@ -457,8 +473,12 @@ def replay(tree) -> StepMemory:
         if running > peak:
             peak, peak_event = running, event
             peak_live = dict(live)
-    return StepMemory(kept, peak, [_describe(event, size) for event, size in peak_live.values()],
-                      None if peak_event is None else _describe(peak_event, peak_event.extra_fields.alloc_size))
+    return StepMemory(
+        kept,
+        peak,
+        [_describe(event, size) for event, size in peak_live.values()],
+        None if peak_event is None else _describe(peak_event, peak_event.extra_fields.alloc_size),
+    )
 
 
 def _enclosing(event, name: str):
@@ -475,7 +495,7 @@ def _describe(event, size: int) -> Allocation:
     node = event.parent
     while node is not None:
         if node.name.startswith("module:") and module is None:
-            module = node.name[len("module:"):]
+            module = node.name[len("module:") :]
         elif node.name.startswith("autograd::engine::evaluate_function: ") and backward is None:
             backward = node.name.split(": ", 1)[1]
         elif node.name.startswith(("aten::", "lightning_act::")) and len(ops) < 2:
@@ -494,25 +514,32 @@ def timeline_table(memory: StepMemory, rows: int = 25) -> str:
     ordered = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
     lines = []
     if memory.peak_event is not None:
-        lines.append(f"  peak reached in {memory.peak_event.phase} by {memory.peak_event.origin} "
-                     f"({memory.peak_event.size / MIB:.2f} MiB)")
+        lines.append(
+            f"  peak reached in {memory.peak_event.phase} by {memory.peak_event.origin} "
+            f"({memory.peak_event.size / MIB:.2f} MiB)"
+        )
     lines.append(f"  {'MiB':>8}  {'count':>5}  phase     allocated by (module or backward node / op)")
     for (phase, origin), sizes in ordered[:rows]:
         lines.append(f"  {sum(sizes) / MIB:>8.2f}  {len(sizes):>5}  {phase:<8}  {origin}")
     rest = ordered[rows:]
     if rest:
-        lines.append(f"  {sum(sum(s) for _, s in rest) / MIB:>8.2f}  {sum(len(s) for _, s in rest):>5}  "
-                     f"({len(rest)} more origins)")
+        lines.append(
+            f"  {sum(sum(s) for _, s in rest) / MIB:>8.2f}  {sum(len(s) for _, s in rest):>5}  "
+            f"({len(rest)} more origins)"
+        )
     by_phase = {p: sum(a.size for a in memory.live_at_peak if a.phase == p) for p in ("forward", "backward")}
-    lines.append(f"  live at peak: {memory.peak_bytes / MIB:.2f} MiB = forward-allocated "
-                 f"{by_phase['forward'] / MIB:.2f} + backward-allocated {by_phase['backward'] / MIB:.2f} "
-                 f"(+ net frees of memory held before the step)")
+    lines.append(
+        f"  live at peak: {memory.peak_bytes / MIB:.2f} MiB = forward-allocated "
+        f"{by_phase['forward'] / MIB:.2f} + backward-allocated {by_phase['backward'] / MIB:.2f} "
+        f"(+ net frees of memory held before the step)"
+    )
     return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- part: peak
-def peak_part(models: list[str], device: torch.device, data_dir: Path, timeline: bool, results: dict,
-              save: Callable[[], None]) -> None:
+def peak_part(
+    models: list[str], device: torch.device, data_dir: Path, timeline: bool, results: dict, save: Callable[[], None]
+) -> None:
     for name in models:
         spec = MODELS[name]
         workload = build(name, spec.batch, device, data_dir)
@@ -523,8 +550,10 @@ def peak_part(models: list[str], device: torch.device, data_dir: Path, timeline:
             train_step(workload, method)  # warm up: lazily built kernels, allocator caches
             memory = measure_step(workload, method, device, timeline=timeline)
             row[method_name] = {"kept_bytes": memory.kept_bytes, "peak_bytes": memory.peak_bytes}
-            log(f"{name} bs{spec.batch} {method_name}: kept {memory.kept_bytes / MIB:.2f} MiB, "
-                f"peak {memory.peak_bytes / MIB:.2f} MiB")
+            log(
+                f"{name} bs{spec.batch} {method_name}: kept {memory.kept_bytes / MIB:.2f} MiB, "
+                f"peak {memory.peak_bytes / MIB:.2f} MiB"
+            )
             if timeline and memory.live_at_peak:
                 table = timeline_table(memory)
                 row[method_name]["timeline"] = table
@@ -539,10 +568,13 @@ def peak_part(models: list[str], device: torch.device, data_dir: Path, timeline:
         row["floor_of_limit"] = limit["peak_bytes"] / max(floor["peak_bytes"], 1)
         results["peak"][name] = row
         save()
-        log(f"{name}: kept {row['kept_ratio']:.2f}x, peak {row['peak_ratio']:.2f}x, "
-            f"2-bit floor {row['floor_ratio']:.2f}x, limit {row['limit_ratio']:.2f}x; {100 * row['floor_reached']:.1f}% of the floor and "
+        log(
+            f"{name}: kept {row['kept_ratio']:.2f}x, peak {row['peak_ratio']:.2f}x, "
+            f"2-bit floor {row['floor_ratio']:.2f}x, limit {row['limit_ratio']:.2f}x; "
+            f"{100 * row['floor_reached']:.1f}% of the floor and "
             f"{100 * row['limit_reached']:.1f}% of the limit reached (the floor itself: "
-            f"{100 * row['floor_of_limit']:.1f}% of the limit)")
+            f"{100 * row['floor_of_limit']:.1f}% of the limit)"
+        )
 
 
 # --------------------------------------------------------------------------- part: largest batch
@@ -578,8 +610,9 @@ def largest_fitting(fits: Callable[[int], bool], guess: int, floor: int = 1) -> 
     return low
 
 
-def first_steps_part(models: list[str], device: torch.device, data_dir: Path, steps: int, results: dict,
-                     save: Callable[[], None]) -> None:
+def first_steps_part(
+    models: list[str], device: torch.device, data_dir: Path, steps: int, results: dict, save: Callable[[], None]
+) -> None:
     """The peak of each of the first ``steps`` steps of a fresh model in one process, without
     compression and at 2 bits, with no warm-up step: the first step surveys the group axes and
     must fit where the steps after it fit (a user sizes the batch by them)."""
@@ -591,24 +624,36 @@ def first_steps_part(models: list[str], device: torch.device, data_dir: Path, st
             method = METHODS[method_name]()
             method.prepare(workload)
             row[method_name] = [measure_step(workload, method, device).peak_bytes for _ in range(steps)]
-            log(f"{name} bs{spec.batch} {method_name}: peaks "
-                + ", ".join(f"{peak / MIB:.1f}" for peak in row[method_name]) + " MiB")
+            log(
+                f"{name} bs{spec.batch} {method_name}: peaks "
+                + ", ".join(f"{peak / MIB:.1f}" for peak in row[method_name])
+                + " MiB"
+            )
         row["worst_over_none"] = max(row["act_2bit"]) / max(max(row["none"]), 1)
         results["first_steps"][name] = row
         save()
 
 
-def batch_part(models: list[str], device: torch.device, data_dir: Path, cap_bytes: int, results: dict,
-               save: Callable[[], None], args: argparse.Namespace) -> None:
+def batch_part(
+    models: list[str],
+    device: torch.device,
+    data_dir: Path,
+    cap_bytes: int,
+    results: dict,
+    save: Callable[[], None],
+    args: argparse.Namespace,
+) -> None:
     for name in models:
         spec = MODELS[name]
         entry = results["largest_batch"].setdefault(name, {"title": spec.title, "cap_mib": cap_bytes / MIB})
         for method_name in ("none", "act_2bit", "act_budget2"):
             tries: dict[int, int | bool] = {}
             if device.type == "cuda":
+
                 def fits(batch: int) -> bool:
                     tries[batch] = _try_in_subprocess(args, name, method_name, batch, cap_bytes)
                     return tries[batch]
+
                 guess = spec.batch
             else:
                 method = METHODS[method_name]()
@@ -652,8 +697,18 @@ def _peak_per_sample(name: str, batch: int, method: Method, device: torch.device
 def _try_in_subprocess(args: argparse.Namespace, model: str, method: str, batch: int, cap_bytes: int) -> bool:
     """Two training steps at ``batch`` in a fresh process, its GPU memory capped: an
     out-of-memory error there cannot leave this process's allocator fragmented."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--data-dir", str(args.data_dir),
-               "--cap-mib", str(cap_bytes / MIB), "--try-batch", model, method, str(batch)]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--data-dir",
+        str(args.data_dir),
+        "--cap-mib",
+        str(cap_bytes / MIB),
+        "--try-batch",
+        model,
+        method,
+        str(batch),
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.try_timeout)
     except subprocess.TimeoutExpired:
@@ -661,7 +716,7 @@ def _try_in_subprocess(args: argparse.Namespace, model: str, method: str, batch:
         return False
     for line in done.stdout.splitlines():
         if line.startswith(TRY_RESULT_PREFIX):
-            fits = json.loads(line[len(TRY_RESULT_PREFIX):])["fits"]
+            fits = json.loads(line[len(TRY_RESULT_PREFIX) :])["fits"]
             log(f"  {model} {method} batch {batch}: {'fits' if fits else 'out of memory'}")
             return fits
     raise RuntimeError(f"batch try {command} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
@@ -695,20 +750,27 @@ def log(message: str) -> None:
 
 
 def write_markdown(results: dict, path: Path) -> None:
-    lines = [f"# Peak memory of a training step, {results['device_type']}", "",
-             f"`{results['command']}` on {results['environment']['device']}, {results['date']}; "
-             f"commit `{results['commit']}`. Every number below was measured in this run.", "",
-             "*kept*: what the forward keeps for backward; *peak*: the step's peak above its start (forward + "
-             "backward, parameter gradients included); *limit*: the same step with every saved non-parameter float "
-             "tensor stored as nothing and re-created empty at unpack (no saved-tensor codec can go below it); "
-             "*2-bit floor*: the same step holding exactly the bytes the 2-bit run stored, as long as autograd "
-             "holds them, and nothing else (no codec storing those bytes can go below it); *reached*: limit or "
-             "floor peak / 2-bit peak.", ""]
+    lines = [
+        f"# Peak memory of a training step, {results['device_type']}",
+        "",
+        f"`{results['command']}` on {results['environment']['device']}, {results['date']}; "
+        f"commit `{results['commit']}`. Every number below was measured in this run.",
+        "",
+        "*kept*: what the forward keeps for backward; *peak*: the step's peak above its start (forward + "
+        "backward, parameter gradients included); *limit*: the same step with every saved non-parameter float "
+        "tensor stored as nothing and re-created empty at unpack (no saved-tensor codec can go below it); "
+        "*2-bit floor*: the same step holding exactly the bytes the 2-bit run stored, as long as autograd "
+        "holds them, and nothing else (no codec storing those bytes can go below it); *reached*: limit or "
+        "floor peak / 2-bit peak.",
+        "",
+    ]
     if results["peak"]:
-        lines += ["| model | batch | kept none MiB | kept 2-bit MiB | kept ratio | peak none MiB | peak 2-bit MiB "
-                  "| peak ratio | 2-bit floor MiB | limit MiB | limit ratio | floor reached | limit reached "
-                  "| floor / limit |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "| model | batch | kept none MiB | kept 2-bit MiB | kept ratio | peak none MiB | peak 2-bit MiB "
+            "| peak ratio | 2-bit floor MiB | limit MiB | limit ratio | floor reached | limit reached "
+            "| floor / limit |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for row in results["peak"].values():
             none, act, floor, limit = row["none"], row["act_2bit"], row["codec_floor"], row["limit"]
             lines.append(
@@ -716,31 +778,48 @@ def write_markdown(results: dict, path: Path) -> None:
                 f"| {row['kept_ratio']:.2f}x | {none['peak_bytes'] / MIB:.1f} | {act['peak_bytes'] / MIB:.1f} "
                 f"| {row['peak_ratio']:.2f}x | {floor['peak_bytes'] / MIB:.1f} | {limit['peak_bytes'] / MIB:.1f} "
                 f"| {row['limit_ratio']:.2f}x | {100 * row['floor_reached']:.1f}% | {100 * row['limit_reached']:.1f}% "
-                f"| {100 * row['floor_of_limit']:.1f}% |")
+                f"| {100 * row['floor_of_limit']:.1f}% |"
+            )
     if results["largest_batch"]:
-        lines += ["", "## Largest batch under a memory cap", "",
-                  "| model | cap MiB | none | 2 bits | budget 2 | 2 bits vs none | budget 2 vs none |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "## Largest batch under a memory cap",
+            "",
+            "| model | cap MiB | none | 2 bits | budget 2 | 2 bits vs none | budget 2 vs none |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for entry in results["largest_batch"].values():
             sizes = [entry.get(m, {}).get("largest_batch") for m in ("none", "act_2bit", "act_budget2")]
             if None in sizes:
                 continue
-            lines.append(f"| {entry['title']} | {entry['cap_mib']:.0f} | {sizes[0]} | {sizes[1]} | {sizes[2]} "
-                         f"| {sizes[1] / max(sizes[0], 1):.2f}x | {sizes[2] / max(sizes[0], 1):.2f}x |")
+            lines.append(
+                f"| {entry['title']} | {entry['cap_mib']:.0f} | {sizes[0]} | {sizes[1]} | {sizes[2]} "
+                f"| {sizes[1] / max(sizes[0], 1):.2f}x | {sizes[2] / max(sizes[0], 1):.2f}x |"
+            )
     if results["first_steps"]:
-        lines += ["", "## The first steps", "",
-                  "Each step's peak, in one process from a fresh model (no warm-up step; the first surveys "
-                  "group axes).", "",
-                  "| model | batch | none MiB per step | 2-bit MiB per step | worst 2-bit / worst none |",
-                  "|---|---:|---|---|---:|"]
+        lines += [
+            "",
+            "## The first steps",
+            "",
+            "Each step's peak, in one process from a fresh model (no warm-up step; the first surveys group axes).",
+            "",
+            "| model | batch | none MiB per step | 2-bit MiB per step | worst 2-bit / worst none |",
+            "|---|---:|---|---|---:|",
+        ]
         for row in results["first_steps"].values():
             none, act = (", ".join(f"{peak / MIB:.1f}" for peak in row[m]) for m in ("none", "act_2bit"))
             lines.append(f"| {row['title']} | {row['batch']} | {none} | {act} | {row['worst_over_none']:.2f}x |")
     for row in results["peak"].values():
         for method in ("none", "act_2bit", "codec_floor", "limit"):
             if "timeline" in row[method]:
-                lines += ["", f"## Alive at the peak: {row['title']}, {method}", "", "```", row[method]["timeline"],
-                          "```"]
+                lines += [
+                    "",
+                    f"## Alive at the peak: {row['title']}, {method}",
+                    "",
+                    "```",
+                    row[method]["timeline"],
+                    "```",
+                ]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -748,15 +827,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), help="default: all")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data",
-                        help="folder with planetoid/Cora/raw/ (the layout of ../shared/data)")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=REPO.parent / "shared" / "data",
+        help="folder with planetoid/Cora/raw/ (the layout of ../shared/data)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--timeline", action="store_true", help="list what is alive at each peak (CPU)")
-    parser.add_argument("--largest-batch", action="store_true",
-                        help="instead of the peak table: the largest batch under --cap-mib")
+    parser.add_argument(
+        "--largest-batch", action="store_true", help="instead of the peak table: the largest batch under --cap-mib"
+    )
     parser.add_argument("--cap-mib", type=float, default=1024.0, help="memory cap of --largest-batch")
-    parser.add_argument("--first-steps", type=int, default=0, metavar="N",
-                        help="instead of the peak table: each of the first N steps' peak, from a fresh model")
+    parser.add_argument(
+        "--first-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of the peak table: each of the first N steps' peak, from a fresh model",
+    )
     parser.add_argument("--try-timeout", type=float, default=300.0, help="seconds per GPU batch try")
     parser.add_argument("--threads", type=int, default=1, help="intra-op CPU threads")
     parser.add_argument("--try-batch", nargs=3, metavar=("MODEL", "METHOD", "BATCH"), help=argparse.SUPPRESS)
@@ -772,8 +861,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ops.ensure_kernels(device)
     models = args.models or (["resnet50", "transformer"] if args.largest_batch else list(MODELS))
-    stem = f"peak_memory_{device.type}" + ("_batch" if args.largest_batch else "_first_steps" if args.first_steps
-                                           else "")
+    stem = f"peak_memory_{device.type}" + (
+        "_batch" if args.largest_batch else "_first_steps" if args.first_steps else ""
+    )
     results = {
         "device_type": device.type,
         "command": "python benchmarks/peak_memory.py " + " ".join(sys.argv[1:]),

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import lightning as L
 import torch
-
 from lightning_act import ActCompression
 from lightning_act.examples.language import CharTextDataModule, CharTransformer
 
@@ -66,8 +65,9 @@ def llama_case(data: Path, n_layers: int = 2, d_model: int = 128, block_size: in
     from llama_accuracy import LlamaBytes
 
     model = LlamaBytes(d_model=d_model, n_layers=n_layers, block_size=block_size)
-    datamodule = CharTextDataModule(data / "tinyshakespeare" / "input.txt", block_size=block_size,
-                                    batch_size=batch_size, num_workers=0)
+    datamodule = CharTextDataModule(
+        data / "tinyshakespeare" / "input.txt", block_size=block_size, batch_size=batch_size, num_workers=0
+    )
     return model, datamodule, {"budget": 2.0}
 
 
@@ -92,15 +92,20 @@ def measure(case, data: Path, steps_after: int, estimator: str, compiled: bool =
     callback = ActCompression(**settings, estimator=estimator)
     timer = StepTimes()
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=callback.warmup_steps + 1 + steps_after, limit_val_batches=0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        max_steps=callback.warmup_steps + 1 + steps_after,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[callback, timer],
     )
     trainer.fit(model, datamodule)
     if callback.recalibrations != 1:
         raise RuntimeError(f"expected one recalibration, got {callback.recalibrations}")
     recalibration_s = callback.recalibration_ms / 1e3
-    step_s = statistics.median(timer.seconds[callback.warmup_steps + 1:])
+    step_s = statistics.median(timer.seconds[callback.warmup_steps + 1 :])
     # Compiled: the step after the recalibration recompiles for the new allocation.
     recompile_s = max(timer.seconds[callback.warmup_steps + 1] - step_s, 0.0) if compiled else 0.0
     interval = callback.recalibrate_every_n_steps
@@ -112,7 +117,9 @@ def measure(case, data: Path, steps_after: int, estimator: str, compiled: bool =
         "step_s": step_s,
         "recompile_s": recompile_s,
         "recalibration_in_steps": (recalibration_s + recompile_s) / step_s,
-        "share_at_defaults_pct": 100.0 * (recalibration_s + recompile_s) / (recalibration_s + recompile_s + interval * step_s),
+        "share_at_defaults_pct": 100.0
+        * (recalibration_s + recompile_s)
+        / (recalibration_s + recompile_s + interval * step_s),
     }
 
 
@@ -122,27 +129,47 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--steps-after", type=int, default=5, help="steps timed after the recalibration")
     parser.add_argument("--only", nargs="*", choices=sorted(CASES), help="models to run (default: all)")
-    parser.add_argument("--estimators", nargs="*", default=["probe", "probe_per_tensor"],
-                        choices=["probe", "probe_per_tensor"], help="probe estimators to time")
-    parser.add_argument("--compiled", action="store_true",
-                        help="also each model under torch.compile (inductor): its probes run eagerly, "
-                             "the new allocation recompiles once")
+    parser.add_argument(
+        "--estimators",
+        nargs="*",
+        default=["probe", "probe_per_tensor"],
+        choices=["probe", "probe_per_tensor"],
+        help="probe estimators to time",
+    )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also each model under torch.compile (inductor): its probes run eagerly, "
+        "the new allocation recompiles once",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "recalibration_cost_cpu.json"
     # Models not run now keep their earlier results.
     results = json.loads(path.read_text()) if path.exists() else {}
-    results.update({"device": "cpu", "machine": platform.machine(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")})
+    results.update(
+        {
+            "device": "cpu",
+            "machine": platform.machine(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "date": time.strftime("%Y-%m-%d"),
+        }
+    )
     for name, case in CASES.items():
         if args.only and name not in args.only:
             continue
-        for estimator, compiled in [(e, c) for e in args.estimators for c in ((False, True) if args.compiled else (False,))]:
+        for estimator, compiled in [
+            (e, c) for e in args.estimators for c in ((False, True) if args.compiled else (False,))
+        ]:
             key = f"{estimator}_compiled" if compiled else estimator
             results.setdefault(name, {})[key] = r = measure(case, args.data, args.steps_after, estimator, compiled)
-            print(f"{name} ({key}): {r['tensors_probed']} tensors probed, recalibration "
-                  f"{r['recalibration_s']:.2f} s = {r['recalibration_in_steps']:.1f} steps of {r['step_s']:.3f} s; "
-                  f"{r['share_at_defaults_pct']:.2f}% of training at the defaults", flush=True)
+            print(
+                f"{name} ({key}): {r['tensors_probed']} tensors probed, recalibration "
+                f"{r['recalibration_s']:.2f} s = {r['recalibration_in_steps']:.1f} steps of {r['step_s']:.3f} s; "
+                f"{r['share_at_defaults_pct']:.2f}% of training at the defaults",
+                flush=True,
+            )
             path.write_text(json.dumps(results, indent=2) + "\n")  # a long run keeps what it finished
     print(f"wrote {path}")
 

@@ -44,11 +44,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import _git, environment  # noqa: E402
-from memory_target import _Task as _SgdTask  # noqa: E402
-from peak_memory import MODELS, build, replay  # noqa: E402
+from lightning_act import ActCompression
 
-from lightning_act import ActCompression  # noqa: E402
+from harness import _git, environment
+from memory_target import _Task as _SgdTask
+from peak_memory import MODELS, build, replay
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -100,7 +100,10 @@ class _StepEnds(L.Callback):
             peak = torch.cuda.max_memory_allocated(begins.device)
         else:
             begins.profiler.__exit__(None, None, None)
-            peak = begins.live_at_start + replay(begins.profiler.profiler.kineto_results.experimental_event_tree()).peak_bytes
+            peak = (
+                begins.live_at_start
+                + replay(begins.profiler.profiler.kineto_results.experimental_event_tree()).peak_bytes
+            )
             begins.profiler = None
         self.profiler_mib.append(round(peak / MIB, 2))
         library = None if self.act is None or self.act.last_peak_bytes is None else self.act.last_peak_bytes / MIB
@@ -138,23 +141,35 @@ def _fit(name: str, steps: int, device: str, data_dir: Path, settings: dict | No
             torch.ones(1)
     begins = _StepBegins(device)
     ends = _StepEnds(begins, act)
-    trainer = L.Trainer(max_steps=steps, accelerator=device.type, devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[begins, *([act] if act else []), ends])
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator=device.type,
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[begins, *([act] if act else []), ends],
+    )
     trainer.fit(task)
-    return {"profiler_mib": ends.profiler_mib, "library_mib": ends.library_mib,
-            "recalibrated_at": [] if act is None else act.recalibration_steps}
+    return {
+        "profiler_mib": ends.profiler_mib,
+        "library_mib": ends.library_mib,
+        "recalibrated_at": [] if act is None else act.recalibration_steps,
+    }
 
 
 def measure(name: str, steps: int, every: int, device: torch.device, data_dir: Path, compiled: bool) -> dict:
     none = fit(name, steps, device, data_dir, None, compiled)
     bits2 = fit(name, steps, device, data_dir, {"bits": 2}, compiled)
-    budget = fit(name, steps, device, data_dir, {"budget": 2, "warmup_steps": 0, "recalibrate_every_n_steps": every},
-                 compiled)
+    budget = fit(
+        name, steps, device, data_dir, {"budget": 2, "warmup_steps": 0, "recalibrate_every_n_steps": every}, compiled
+    )
     # Halfway between the 2-bit and the uncompressed steady peaks, and 5% over every 2-bit step
     # (where compression barely lowers the peak, as a GCN's peak in its forward).
-    target_mib = round(max((bits2["profiler_mib"][-1] + none["profiler_mib"][-1]) / 2,
-                           1.05 * max(bits2["profiler_mib"])), 2)
+    target_mib = round(
+        max((bits2["profiler_mib"][-1] + none["profiler_mib"][-1]) / 2, 1.05 * max(bits2["profiler_mib"])), 2
+    )
     target = fit(name, steps, device, data_dir, {"memory_target": int(target_mib * MIB)}, compiled)
     target["target_mib"] = target_mib
     uncompressed = max(none["profiler_mib"])
@@ -162,42 +177,56 @@ def measure(name: str, steps: int, every: int, device: torch.device, data_dir: P
     peaks = budget["profiler_mib"]
     judged = [s for s in budget["recalibrated_at"] if s + 1 < len(peaks)]
     budget["over_steady"] = [round(peaks[s] / peaks[s + 1], 3) for s in judged]
-    budget["recalibration_fits"] = all(r <= RECALIBRATION_SLACK for r in budget["over_steady"]) and max(
-        peaks) <= uncompressed
+    budget["recalibration_fits"] = (
+        all(r <= RECALIBRATION_SLACK for r in budget["over_steady"]) and max(peaks) <= uncompressed
+    )
     target["every_step_fits"] = max(target["profiler_mib"]) <= target_mib
     for run in (bits2, budget, target):
         pairs = [(a, b) for a, b in zip(run["library_mib"], run["profiler_mib"]) if a is not None]
         run["library_vs_profiler"] = round(max(abs(a / b - 1) for a, b in pairs), 4) if pairs else None
         run["agrees"] = run["library_vs_profiler"] is not None and run["library_vs_profiler"] <= AGREEMENT
-    return {"title": MODELS[name].title, "batch": MODELS[name].batch, "none": none, "bits2": bits2,
-            "budget2": budget, "memory_target": target}
+    return {
+        "title": MODELS[name].title,
+        "batch": MODELS[name].batch,
+        "none": none,
+        "bits2": bits2,
+        "budget2": budget,
+        "memory_target": target,
+    }
 
 
 def table(results: dict) -> str:
     lines = []
-    for name, row in results["models"].items():
-        lines += [f"\n### {row['title']}, batch {row['batch']} ({results['mode']})\n",
-                  "| run | step peaks, profiler (MiB) | library (MiB) | max library/profiler - 1 | verdict |",
-                  "|---|---|---|---:|---|"]
+    for row in results["models"].values():
+        lines += [
+            f"\n### {row['title']}, batch {row['batch']} ({results['mode']})\n",
+            "| run | step peaks, profiler (MiB) | library (MiB) | max library/profiler - 1 | verdict |",
+            "|---|---|---|---:|---|",
+        ]
         for run_name in ("none", "bits2", "budget2", "memory_target"):
             run = row[run_name]
             verdict = ""
             if run_name == "budget2":
-                verdict = (f"recalibrated at steps {run['recalibrated_at']}, each over the next step "
-                           f"{run['over_steady']}: {'fits' if run['recalibration_fits'] else 'OVER'}")
+                verdict = (
+                    f"recalibrated at steps {run['recalibrated_at']}, each over the next step "
+                    f"{run['over_steady']}: {'fits' if run['recalibration_fits'] else 'OVER'}"
+                )
             elif run_name == "memory_target":
                 verdict = f"target {run['target_mib']}: {'every step fits' if run['every_step_fits'] else 'OVER'}"
             agreement = run.get("library_vs_profiler")
-            lines.append(f"| {run_name} | {', '.join(map(str, run['profiler_mib']))} | "
-                         f"{', '.join(str(x) for x in run['library_mib'] if x is not None) or '-'} | "
-                         f"{'-' if agreement is None else f'{100 * agreement:.2f}%'} | {verdict} |")
+            lines.append(
+                f"| {run_name} | {', '.join(map(str, run['profiler_mib']))} | "
+                f"{', '.join(str(x) for x in run['library_mib'] if x is not None) or '-'} | "
+                f"{'-' if agreement is None else f'{100 * agreement:.2f}%'} | {verdict} |"
+            )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["resnet18_cifar", "transformer",
-                                                                                   "gcn_cora"])
+    parser.add_argument(
+        "--models", nargs="+", choices=sorted(MODELS), default=["resnet18_cifar", "transformer", "gcn_cora"]
+    )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--every", type=int, default=2, help="recalibrate_every_n_steps of the budget run")
     parser.add_argument("--compile", action="store_true", help="every run's model compiled (inductor)")
@@ -211,9 +240,14 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     mode = "compiled" if args.compile else "eager"
-    results = {"command": " ".join(["python", *sys.argv]), "date": datetime.date.today().isoformat(),
-               "commit": _git("rev-parse", "--short", "HEAD"), "environment": environment(device), "mode": mode,
-               "models": {}}
+    results = {
+        "command": " ".join(["python", *sys.argv]),
+        "date": datetime.date.today().isoformat(),
+        "commit": _git("rev-parse", "--short", "HEAD"),
+        "environment": environment(device),
+        "mode": mode,
+        "models": {},
+    }
     for name in args.models:
         results["models"][name] = row = measure(name, args.steps, args.every, device, args.data, args.compile)
         print(table({"mode": mode, "models": {name: row}}), flush=True)

@@ -49,9 +49,9 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak_memory import FORWARD_RANGE, replay  # noqa: E402  (the same allocation replay)
+from lightning_act import ActivationCapture, CompressionConfig
 
-from lightning_act import ActivationCapture, CompressionConfig  # noqa: E402
+from peak_memory import FORWARD_RANGE, replay
 
 MIB = 2**20
 CLASSES = 32
@@ -168,8 +168,11 @@ class Run:
         with onednn(self.fused), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logits = self.model(self.x)
         del logits
-        return {"saves": sum(count.values()), "saves_by_dtype": dict(count),
-                "MiB_by_dtype": {k: v / MIB for k, v in nbytes.items()}}
+        return {
+            "saves": sum(count.values()),
+            "saves_by_dtype": dict(count),
+            "MiB_by_dtype": {k: v / MIB for k, v in nbytes.items()},
+        }
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -226,8 +229,12 @@ def main():
         row["kept_bytes"], row["peak_bytes"] = path.memory()
         if path.capture is not None:
             report = path.capture.report
-            row.update(saved_bytes=report.saved_bytes, stored_bytes=report.stored_bytes, ratio=report.ratio,
-                       counts=dict(sorted(report.counts.items())))
+            row.update(
+                saved_bytes=report.saved_bytes,
+                stored_bytes=report.stored_bytes,
+                ratio=report.ratio,
+                counts=dict(sorted(report.counts.items())),
+            )
             exact = exact_grads[name.replace("2-bit", "none")]
             row["error_8bit"] = relative(path.grad(params[kind], seed=7, bits=8), exact)
             total, singles = torch.zeros_like(exact), []
@@ -248,14 +255,20 @@ def main():
         row["time_vs_fused_none"] = row["step_ms"] / base["step_ms"]
         row["peak_vs_fused_none"] = base["peak_bytes"] / row["peak_bytes"]
         row["kept_vs_fused_none"] = base["kept_bytes"] / row["kept_bytes"]
-    path_agreement = {f"{kind} {path} vs fused": relative(exact_grads[f"{kind} {path} none"], exact_grads[f"{kind} fused none"])
-                      for kind, path in (("lstm", "unfused"), ("lstm", "cells"), ("gru", "unfused"))
-                      if f"{kind} {path} none" in exact_grads}
+    path_agreement = {
+        f"{kind} {path} vs fused": relative(exact_grads[f"{kind} {path} none"], exact_grads[f"{kind} fused none"])
+        for kind, path in (("lstm", "unfused"), ("lstm", "cells"), ("gru", "unfused"))
+        if f"{kind} {path} none" in exact_grads
+    }
 
-    print(f"nn.LSTM / nn.GRU {args.inputs}->{args.hidden} x{args.layers}, batch {args.batch}, {args.length} steps, "
-          f"linear head + cross-entropy; 1 CPU thread; fastest of {args.rounds} rounds of {args.steps} steps")
-    print(f"{'path':<20} {'step ms':>8} {'x time':>7} {'saved':>7} {'stored':>7} {'ratio':>6} {'fwd kept':>8} "
-          f"{'peak':>7} {'peak /':>7} {'err 8b':>8} {'err 2b':>7} {'mean8':>7} {'1/mean':>6}  saves (hook)")
+    print(
+        f"nn.LSTM / nn.GRU {args.inputs}->{args.hidden} x{args.layers}, batch {args.batch}, {args.length} steps, "
+        f"linear head + cross-entropy; 1 CPU thread; fastest of {args.rounds} rounds of {args.steps} steps"
+    )
+    print(
+        f"{'path':<20} {'step ms':>8} {'x time':>7} {'saved':>7} {'stored':>7} {'ratio':>6} {'fwd kept':>8} "
+        f"{'peak':>7} {'peak /':>7} {'err 8b':>8} {'err 2b':>7} {'mean8':>7} {'1/mean':>6}  saves (hook)"
+    )
     print(f"{'':<20} {'':>8} {'fused':>7} {'MiB':>7} {'MiB':>7} {'':>6} {'MiB':>8} {'MiB':>7} {'fused':>7}")
     for name, row in results.items():
         compressed = "saved_bytes" in row
@@ -263,13 +276,19 @@ def main():
         def cell(key, fmt, scale=1.0, width=7):
             return f"{row[key] / scale:>{width}{fmt}}" if key in row else " " * (width - 1) + "-"
 
-        saves = f"{row['saves']} {', '.join(f'{k[6:]} {v:.1f}' for k, v in row['MiB_by_dtype'].items())} MiB" \
-            if not compressed else ""
-        print(f"{name:<20} {row['step_ms']:>8.1f} {row['time_vs_fused_none']:>6.2f}x "
-              f"{cell('saved_bytes', '.1f', MIB)} {cell('stored_bytes', '.1f', MIB)} {cell('ratio', '.2f', 1, 5) + 'x' if compressed else '     -'} "
-              f"{row['kept_bytes'] / MIB:>8.1f} {row['peak_bytes'] / MIB:>7.1f} {row['peak_vs_fused_none']:>6.2f}x "
-              f"{cell('error_8bit', '.5f', 1, 8)} {cell('error_2bit', '.4f')} {cell('error_2bit_mean_of_seeds', '.4f')} "
-              f"{cell('unbiased_ratio', '.2f', 1, 6)}  {saves}")
+        saves = (
+            f"{row['saves']} {', '.join(f'{k[6:]} {v:.1f}' for k, v in row['MiB_by_dtype'].items())} MiB"
+            if not compressed
+            else ""
+        )
+        print(
+            f"{name:<20} {row['step_ms']:>8.1f} {row['time_vs_fused_none']:>6.2f}x "
+            f"{cell('saved_bytes', '.1f', MIB)} {cell('stored_bytes', '.1f', MIB)} "
+            f"{cell('ratio', '.2f', 1, 5) + 'x' if compressed else '     -'} "
+            f"{row['kept_bytes'] / MIB:>8.1f} {row['peak_bytes'] / MIB:>7.1f} {row['peak_vs_fused_none']:>6.2f}x "
+            f"{cell('error_8bit', '.5f', 1, 8)} {cell('error_2bit', '.4f')} {cell('error_2bit_mean_of_seeds', '.4f')} "
+            f"{cell('unbiased_ratio', '.2f', 1, 6)}  {saves}"
+        )
     print("exact gradients, other paths against fused: " + ", ".join(f"{k} {v:.1e}" for k, v in path_agreement.items()))
 
     summary = {

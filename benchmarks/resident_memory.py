@@ -30,8 +30,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
-JEMALLOC = next((p for p in ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2")
-                 if Path(p).exists()), None)
+JEMALLOC = next(
+    (
+        p
+        for p in ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2")
+        if Path(p).exists()
+    ),
+    None,
+)
 ALLOCATORS = {"default": {}, "mmap_threshold": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
 if JEMALLOC:
     ALLOCATORS["jemalloc"] = {"LD_PRELOAD": JEMALLOC}
@@ -43,9 +49,9 @@ def child(bits: int | None, steps: int) -> None:
     import torch
 
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from peak_memory import MODELS, build
-
     from lightning_act import ActCompression
+
+    from peak_memory import MODELS, build
 
     workload = build("resnet18_cifar", MODELS["resnet18_cifar"].batch, torch.device("cpu"), REPO.parent / "shared")
 
@@ -64,14 +70,28 @@ def child(bits: int | None, steps: int) -> None:
             return torch.utils.data.DataLoader([workload.batch] * steps, batch_size=None)
 
     act = ActCompression(bits=bits) if bits else None
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[act] if act else [])
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[act] if act else [],
+    )
     trainer.fit(Task())
     status = Path("/proc/self/status").read_text()
     hwm = int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE).group(1)) * 1024
     rss = int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE).group(1)) * 1024
-    print(json.dumps({"resident_peak_mib": round(hwm / MIB, 1), "resident_end_mib": round(rss / MIB, 1),
-                      "live_peak_mib": None if act is None else round(act.max_peak_bytes / MIB, 1)}))
+    print(
+        json.dumps(
+            {
+                "resident_peak_mib": round(hwm / MIB, 1),
+                "resident_end_mib": round(rss / MIB, 1),
+                "live_peak_mib": None if act is None else round(act.max_peak_bytes / MIB, 1),
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -89,12 +109,20 @@ def main() -> None:
     for allocator, env in ALLOCATORS.items():
         row = {}
         for bits in ("none", "2"):
-            done = subprocess.run([sys.executable, __file__, "--child", bits, "--steps", str(args.steps)],
-                                  env={**os.environ, **env}, capture_output=True, text=True, check=True)
+            done = subprocess.run(
+                [sys.executable, __file__, "--child", bits, "--steps", str(args.steps)],
+                env={**os.environ, **env},
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             row[bits] = json.loads(done.stdout.strip().splitlines()[-1])
         results["runs"][allocator] = row
-        print(f"| {allocator} | {row['none']['resident_peak_mib']} | {row['2']['resident_peak_mib']} | "
-              f"{row['2']['live_peak_mib']} |", flush=True)
+        print(
+            f"| {allocator} | {row['none']['resident_peak_mib']} | {row['2']['resident_peak_mib']} | "
+            f"{row['2']['live_peak_mib']} |",
+            flush=True,
+        )
     args.output.write_text(json.dumps(results, indent=1) + "\n")
     print(f"written: {args.output}")
 

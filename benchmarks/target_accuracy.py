@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 
 import torch
+from lightning_act.policy.memory_target import AIM, TargetBits
 
 from transformer_accuracy import train
-
-from lightning_act.policy.memory_target import AIM, TargetBits
 
 MIB = 2**20
 
@@ -66,8 +65,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runs = []
-    print(f"{'seed':>4} {'fixed 2 bits: loss':>19} {'peak MiB':>9} {'s':>5} | {'target: loss':>13} {'peak MiB':>9}"
-          f" {'s':>5} {'moves':>5} {'plan s':>7}", flush=True)
+    print(
+        f"{'seed':>4} {'fixed 2 bits: loss':>19} {'peak MiB':>9} {'s':>5} | {'target: loss':>13} {'peak MiB':>9}"
+        f" {'s':>5} {'moves':>5} {'plan s':>7}",
+        flush=True,
+    )
     for seed in range(args.seeds):
         fixed = train(args.data, args.steps, {"bits": 2}, args.recalibrate, seed)
         target_bytes = int(fixed["max_peak_mib"] * MIB / AIM)
@@ -75,14 +77,27 @@ def main() -> None:
             target = train(args.data, args.steps, {"memory_target": target_bytes}, args.recalibrate, seed)
         target.update(plan_seconds=timer.seconds, plan_moves=timer.moves, target_mib=target_bytes / MIB)
         runs.append({"seed": seed, "fixed_2_bits": fixed, "memory_target": target})
-        print(f"{seed:>4} {fixed['val_loss']:>19.4f} {fixed['max_peak_mib']:>9.2f} {fixed['seconds']:>5.0f} |"
-              f" {target['val_loss']:>13.4f} {target['max_peak_mib']:>9.2f} {target['seconds']:>5.0f}"
-              f" {timer.moves:>5} {timer.seconds:>7.3f}", flush=True)
+        print(
+            f"{seed:>4} {fixed['val_loss']:>19.4f} {fixed['max_peak_mib']:>9.2f} {fixed['seconds']:>5.0f} |"
+            f" {target['val_loss']:>13.4f} {target['max_peak_mib']:>9.2f} {target['seconds']:>5.0f}"
+            f" {timer.moves:>5} {timer.seconds:>7.3f}",
+            flush=True,
+        )
     summary = {name: statistics.fmean(r[name]["val_loss"] for r in runs) for name in ("fixed_2_bits", "memory_target")}
-    print(f"mean validation loss: fixed 2 bits {summary['fixed_2_bits']:.4f}, "
-          f"a target aiming at its peak {summary['memory_target']:.4f}")
-    results = {"steps": args.steps, "seeds": args.seeds, "threads": args.threads, "torch": torch.__version__,
-               "date": time.strftime("%Y-%m-%d"), "device": "cpu", "mean_val_loss": summary, "runs": runs}
+    print(
+        f"mean validation loss: fixed 2 bits {summary['fixed_2_bits']:.4f}, "
+        f"a target aiming at its peak {summary['memory_target']:.4f}"
+    )
+    results = {
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "device": "cpu",
+        "mean_val_loss": summary,
+        "runs": runs,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "target_accuracy_cpu.json").write_text(json.dumps(results, indent=1))
 

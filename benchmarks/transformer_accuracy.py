@@ -20,11 +20,10 @@ import time
 from pathlib import Path
 
 import lightning as L
-
-from _seed_grid import run_settings
-
 from lightning_act import ActCompression
 from lightning_act.examples.language import CharTextDataModule, CharTransformer
+
+from _seed_grid import run_settings
 
 DEFAULT_INTERVAL = inspect.signature(ActCompression).parameters["recalibrate_every_n_steps"].default
 
@@ -45,17 +44,23 @@ def train(data: Path, steps: int, settings: dict | None, recalibrate: int, seed:
     # the collector runs: left, they count in this run's live-tensor peak (5 MiB here).
     gc.collect()
     L.seed_everything(seed, workers=True)
-    model = CharTransformer(d_model=128, n_layers=2, n_heads=4, block_size=64, dropout=0.0, lr=3e-3,
-                            warmup_steps=20)
+    model = CharTransformer(d_model=128, n_layers=2, n_heads=4, block_size=64, dropout=0.0, lr=3e-3, warmup_steps=20)
     datamodule = CharTextDataModule(str(data / "tinyshakespeare" / "input.txt"), block_size=64, batch_size=32)
     callbacks = []
     if settings is not None:
         callbacks.append(ActCompression(recalibrate_every_n_steps=recalibrate, seed=seed, **settings))
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=steps, limit_val_batches=40, val_check_interval=steps,
+        accelerator="cpu",
+        max_steps=steps,
+        limit_val_batches=40,
+        val_check_interval=steps,
         check_val_every_n_epoch=None,  # a schedule may be longer than one epoch
-        callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, deterministic=True,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
     )
     started = time.perf_counter()
     trainer.fit(model, datamodule)
@@ -63,8 +68,7 @@ def train(data: Path, steps: int, settings: dict | None, recalibrate: int, seed:
     result = {"val_loss": float(trainer.callback_metrics["val/loss"]), "seconds": seconds}
     if callbacks:
         report = callbacks[0].last_report
-        result.update(ratio=report.ratio, saved_mib=report.saved_bytes / 2**20,
-                      stored_mib=report.stored_bytes / 2**20)
+        result.update(ratio=report.ratio, saved_mib=report.saved_bytes / 2**20, stored_mib=report.stored_bytes / 2**20)
         if callbacks[0].max_peak_bytes is not None:
             result.update(max_peak_mib=callbacks[0].max_peak_bytes / 2**20)
         if callbacks[0].adaptive and callbacks[0].recalibrations:
@@ -89,8 +93,12 @@ def main():
     parser.add_argument("--recalibrate", type=int, default=100, help="steps between recalibrations")
     parser.add_argument("--only", nargs="*", help="names of settings to run (default: all)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds (model, data order, rounding) per setting")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="intra-op CPU threads (one: a shared machine's busy cores slow OpenMP barriers)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op CPU threads (one: a shared machine's busy cores slow OpenMP barriers)",
+    )
     run_settings(parser.parse_args(), SETTINGS, train, "transformer_accuracy_cpu.json")
 
 

@@ -76,7 +76,8 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Collection, Iterable, Iterator, NamedTuple, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -86,8 +87,18 @@ from lightning_act import ops
 from lightning_act.codecs.quant import QuantizedTensor
 from lightning_act.optrack import arguments_key
 
-__all__ = ["ATTENTION_MASK", "STATISTIC_RATIO", "Match", "PointwiseDerivative", "Read", "Use", "call_reads",
-           "classify", "graph_reads", "size_hint"]
+__all__ = [
+    "ATTENTION_MASK",
+    "STATISTIC_RATIO",
+    "Match",
+    "PointwiseDerivative",
+    "Read",
+    "Use",
+    "call_reads",
+    "classify",
+    "graph_reads",
+    "size_hint",
+]
 
 #: A float tensor an op computed that holds at least this many times fewer values than the
 #: op's largest activation argument is a reduction statistic (LayerNorm's mean and 1 / std,
@@ -210,9 +221,11 @@ class Match(NamedTuple):
 
 # Only the shape or dtype of these arguments is read.
 _SHAPE_ONLY = frozenset(
-    {"full_like", "zeros_like", "ones_like", "empty_like", "rand_like", "randn_like", "new_zeros", "new_ones",
-     "new_empty", "new_full", "empty_strided", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
-     "size", "stride", "isnan", "isinf", "isfinite", "isposinf", "isneginf", "fill", "zero"}
+    """
+    full_like zeros_like ones_like empty_like rand_like randn_like new_zeros new_ones new_empty new_full
+    empty_strided sym_size sym_stride sym_numel sym_storage_offset size stride isnan isinf isfinite isposinf
+    isneginf fill zero
+    """.split()
 )
 # Backward kernels that read some arguments for their shape alone (by schema name).
 _SHAPE_ONLY_ARGUMENTS = {
@@ -230,87 +243,107 @@ _SHAPE_ONLY_ARGUMENTS = {
 }
 # Linear in every tensor argument: the result's degree is the largest of theirs.
 _LINEAR = frozenset(
-    {"alias", "view", "_unsafe_view", "reshape", "_reshape_alias", "permute", "transpose", "t", "expand",
-     "squeeze", "unsqueeze", "slice", "select", "clone", "contiguous", "flip", "roll", "repeat", "narrow",
-     "unfold", "diagonal", "diag_embed", "as_strided", "constant_pad_nd", "neg", "sum", "mean", "cumsum",
-     "_to_copy", "convert_element_type", "detach", "lift_fresh_copy", "index_select", "gather", "index",
-     "slice_scatter", "select_scatter", "diagonal_scatter", "as_strided_scatter", "cat", "stack", "split",
-     "split_with_sizes", "unbind", "chunk", "copy", "masked_fill", "index_put", "index_add",
-     "scatter_add", "scatter", "add", "sub", "rsub", "where", "avg_pool1d", "avg_pool2d", "avg_pool3d",
-     "avg_pool2d_backward", "avg_pool3d_backward", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d",
-     "_adaptive_avg_pool2d_backward", "_adaptive_avg_pool3d_backward", "upsample_nearest1d",
-     "upsample_nearest2d", "upsample_nearest3d", "upsample_bilinear2d", "upsample_linear1d",
-     "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_nearest_exact2d", "reflection_pad1d",
-     "reflection_pad2d", "reflection_pad3d", "replication_pad1d", "replication_pad2d", "replication_pad3d",
-     "im2col", "col2im", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "tril", "triu", "trace",
-     "sum_to_size", "expand_copy", "view_copy", "permute_copy", "squeeze_copy", "unsqueeze_copy", "t_copy",
-     "transpose_copy", "alias_copy", "slice_copy", "select_copy", "unbind_copy", "split_copy",
-     "embedding_dense_backward", "max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward",
-     "adaptive_max_pool2d_backward", "adaptive_max_pool3d_backward", "nll_loss_backward",
-     "nll_loss2d_backward", "index_copy", "masked_scatter", "put", "take", "movedim", "real", "imag",
-     "view_as_real", "view_as_complex", "resolve_conj", "resolve_neg", "conj", "_conj", "conj_physical",
-     "nan_to_num", "prod_backward", "_pad_packed_sequence", "_pack_padded_sequence_backward", "unsafe_split",
-     "fft_r2c", "fft_c2r", "fft_c2c", "_fft_r2c", "_fft_c2r", "_fft_c2c", "block_diag", "renorm_backward",
-     "lerp_scalar", "clone_preserve_strides", "repeat_interleave", "_index_put_impl", "index_fill",
-     "new_empty_strided", "_local_scalar_dense", "_unsafe_index_put", "_unsafe_masked_index_put_accumulate",
-     "_unsafe_masked_index", "_unsafe_index"}
+    """
+    alias view _unsafe_view reshape _reshape_alias permute transpose t expand squeeze unsqueeze slice select clone
+    contiguous flip roll repeat narrow unfold diagonal diag_embed as_strided constant_pad_nd neg sum mean cumsum
+    _to_copy convert_element_type detach lift_fresh_copy index_select gather index slice_scatter select_scatter
+    diagonal_scatter as_strided_scatter cat stack split split_with_sizes unbind chunk copy masked_fill index_put
+    index_add scatter_add scatter add sub rsub where avg_pool1d avg_pool2d avg_pool3d avg_pool2d_backward
+    avg_pool3d_backward _adaptive_avg_pool2d _adaptive_avg_pool3d _adaptive_avg_pool2d_backward
+    _adaptive_avg_pool3d_backward upsample_nearest1d upsample_nearest2d upsample_nearest3d upsample_bilinear2d
+    upsample_linear1d upsample_bicubic2d upsample_trilinear3d _upsample_nearest_exact2d reflection_pad1d
+    reflection_pad2d reflection_pad3d replication_pad1d replication_pad2d replication_pad3d im2col col2im
+    pixel_shuffle pixel_unshuffle channel_shuffle tril triu trace sum_to_size expand_copy view_copy permute_copy
+    squeeze_copy unsqueeze_copy t_copy transpose_copy alias_copy slice_copy select_copy unbind_copy split_copy
+    embedding_dense_backward max_pool2d_with_indices_backward max_pool3d_with_indices_backward
+    adaptive_max_pool2d_backward adaptive_max_pool3d_backward nll_loss_backward nll_loss2d_backward index_copy
+    masked_scatter put take movedim real imag view_as_real view_as_complex resolve_conj resolve_neg conj _conj
+    conj_physical nan_to_num prod_backward _pad_packed_sequence _pack_padded_sequence_backward unsafe_split fft_r2c
+    fft_c2r fft_c2c _fft_r2c _fft_c2r _fft_c2c block_diag renorm_backward lerp_scalar clone_preserve_strides
+    repeat_interleave _index_put_impl index_fill new_empty_strided _local_scalar_dense _unsafe_index_put
+    _unsafe_masked_index_put_accumulate _unsafe_masked_index _unsafe_index
+    """.split()
 )
 # Products: the result's degree is the sum of the multiplied arguments' degrees.
-_BILINEAR = frozenset({"mul", "mm", "bmm", "matmul", "dot", "vdot", "mv", "outer", "ger", "convolution",
-                       "_convolution", "cross", "kron", "cumprod_backward", "_weight_int8pack_mm",
-                       "_grouped_mm"})  # a mixture of experts' matmuls, one per group of rows
+_BILINEAR = frozenset(
+    """
+    mul mm bmm matmul dot vdot mv outer ger convolution _convolution cross kron cumprod_backward _weight_int8pack_mm
+    _grouped_mm
+    """.split()
+)  # _grouped_mm: a mixture of experts' matmuls, one per group of rows
 # ``bias + a @ b``: the first argument added, the next two multiplied.
 _ADD_PRODUCT = frozenset({"addmm", "baddbmm", "addbmm", "addmv", "addr", "addcmul"})
 # ``a * b + c``: the first two multiplied, the third added (inductor's decompositions use it).
 _PRODUCT_ADD = frozenset({"fma"})
 # Comparisons: a REGION read against a Python constant; with another tensor, an EXACT one.
-_COMPARISONS = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "maximum", "minimum", "fmax", "fmin"})
+_COMPARISONS = frozenset(
+    """
+    lt le gt ge eq ne maximum minimum fmax fmin
+    """.split()
+)
 _ORDER_WITH_CONSTANT = frozenset({"sign", "sgn", "signbit", "heaviside"})
 # Ops whose result holds some of their first argument's values, unchanged: a constant a
 # result of theirs is compared with is the same constant on the argument.
 _SAME_VALUES = frozenset(
-    {"alias", "view", "_unsafe_view", "reshape", "_reshape_alias", "permute", "transpose", "t", "expand",
-     "squeeze", "unsqueeze", "slice", "select", "clone", "contiguous", "flip", "roll", "repeat", "narrow",
-     "unfold", "diagonal", "as_strided", "detach", "lift_fresh_copy", "index_select", "gather", "index",
-     "_unsafe_index", "movedim", "expand_copy", "view_copy", "permute_copy", "squeeze_copy", "unsqueeze_copy",
-     "t_copy", "transpose_copy", "alias_copy", "slice_copy", "select_copy", "_to_copy", "convert_element_type",
-     "clone_preserve_strides"}
+    """
+    alias view _unsafe_view reshape _reshape_alias permute transpose t expand squeeze unsqueeze slice select clone
+    contiguous flip roll repeat narrow unfold diagonal as_strided detach lift_fresh_copy index_select gather index
+    _unsafe_index movedim expand_copy view_copy permute_copy squeeze_copy unsqueeze_copy t_copy transpose_copy
+    alias_copy slice_copy select_copy _to_copy convert_element_type clone_preserve_strides
+    """.split()
 )
 #: A comparison's outcome that does not depend on the compared values (``relu(x) < -1``).
 _CONSTANT_OUTCOME = object()
 # Ops whose results jump with their argument, so that a rounded argument changes them by a
 # whole step: read exactly.
-_DISCONTINUOUS = frozenset({"floor", "ceil", "round", "trunc", "fix", "floor_divide", "remainder", "fmod", "frac"})
+_DISCONTINUOUS = frozenset(
+    """
+    floor ceil round trunc fix floor_divide remainder fmod frac
+    """.split()
+)
 # Nonlinear and bounded in slope where their argument is finite.
 _SMOOTH = frozenset(
-    {"exp", "exp2", "expm1", "sigmoid", "tanh", "erf", "erfc", "sin", "cos", "sinh", "cosh", "atan", "atan2",
-     "abs", "softplus", "elu", "gelu", "silu", "mish", "hardtanh", "hardsigmoid", "hardswish", "relu",
-     "leaky_relu", "threshold", "clamp", "clamp_min", "clamp_max", "amax", "amin", "max", "min", "sort",
-     "topk", "logsumexp", "_softmax", "_safe_softmax", "_log_softmax", "softmax", "log_softmax", "cummax", "cummin",
-     "logcumsumexp", "_log_softmax_backward_data", "_softmax_backward_data", "sinc", "erfcx", "prelu",
-     "_prelu_kernel", "log_sigmoid_forward", "glu", "hypot", "logaddexp", "logaddexp2", "median", "nanmedian",
-     "kthvalue", "mode", "_cdist_forward", "cdist", "norm", "linalg_vector_norm", "special_erfcx",
-     "special_ndtr", "native_dropout_backward", "lerp", "copysign", "nextafter", "clamp_tensor",
-     "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool2d", "adaptive_max_pool3d"}
+    """
+    exp exp2 expm1 sigmoid tanh erf erfc sin cos sinh cosh atan atan2 abs softplus elu gelu silu mish hardtanh
+    hardsigmoid hardswish relu leaky_relu threshold clamp clamp_min clamp_max amax amin max min sort topk logsumexp
+    _softmax _safe_softmax _log_softmax softmax log_softmax cummax cummin logcumsumexp _log_softmax_backward_data
+    _softmax_backward_data sinc erfcx prelu _prelu_kernel log_sigmoid_forward glu hypot logaddexp logaddexp2 median
+    nanmedian kthvalue mode _cdist_forward cdist norm linalg_vector_norm special_erfcx special_ndtr
+    native_dropout_backward lerp copysign nextafter clamp_tensor max_pool2d_with_indices max_pool3d_with_indices
+    adaptive_max_pool2d adaptive_max_pool3d
+    """.split()
 )
 _EXPONENTIALS = frozenset({"exp", "exp2", "expm1"})
 # Logarithms, by their pole.
 _LOGARITHMS = {"log": 0.0, "log2": 0.0, "log10": 0.0, "log1p": -1.0}
 # Views a divisor is followed back through to the values it holds (an ``expand`` repeats them).
-_DIVISOR_VIEWS = frozenset({"expand", "expand_copy", "view", "reshape", "_unsafe_view", "unsqueeze",
-                            "squeeze", "permute", "transpose", "alias", "detach"})
+_DIVISOR_VIEWS = frozenset(
+    """
+    expand expand_copy view reshape _unsafe_view unsqueeze squeeze permute transpose alias detach
+    """.split()
+)
 # Backward kernels that aten does not decompose, by schema argument name.
 _ATTENTION_SCORES = frozenset({"query", "key", "logsumexp"})
 _ATTENTION_MASKS = frozenset({"attn_bias", "attn_mask"})
 #: :attr:`Read.reason` of a fused attention backward's mask or bias: added to the scores and
 #: exponentiated with them, and ``-inf`` where a position is masked.
 ATTENTION_MASK = "attention mask"
-_RECURRENT_BACKWARD = frozenset({"mkldnn_rnn_layer_backward", "_cudnn_rnn_backward", "miopen_rnn_backward",
-                                 "_thnn_fused_lstm_cell_backward_impl", "_thnn_fused_lstm_cell_backward",
-                                 "_thnn_fused_gru_cell_backward", "lstm_mps_backward", "mkldnn_rnn_backward"})
-_CONVOLUTION_BACKWARD = frozenset({"convolution_backward", "mkldnn_convolution_backward",
-                                   "cudnn_convolution_backward", "_slow_conv2d_backward",
-                                   "slow_conv_transpose2d_backward", "convolution_backward_overrideable"})
+_RECURRENT_BACKWARD = frozenset(
+    """
+    mkldnn_rnn_layer_backward _cudnn_rnn_backward miopen_rnn_backward _thnn_fused_lstm_cell_backward_impl
+    _thnn_fused_lstm_cell_backward _thnn_fused_gru_cell_backward lstm_mps_backward mkldnn_rnn_backward
+    """.split()
+)
+_CONVOLUTION_BACKWARD = frozenset(
+    {
+        "convolution_backward",
+        "mkldnn_convolution_backward",
+        "cudnn_convolution_backward",
+        "_slow_conv2d_backward",
+        "slow_conv_transpose2d_backward",
+        "convolution_backward_overrideable",
+    }
+)
 # Namespaces whose ops are aten's own or this module's markers.
 _ATEN_NAMESPACES = frozenset({"aten", "prims"})
 
@@ -415,9 +448,13 @@ class _Walk:
         rounds nothing a second time."""
         while isinstance(exponent, fx.Node) and exponent.op == "call_function":
             name = _name(exponent.target)
-            if name in _DIVISOR_VIEWS or name == "neg":
-                exponent = exponent.args[0]
-            elif name in ("mul", "div") and len(exponent.args) == 2 and not self._deg(exponent.args[1]):
+            if (
+                name in _DIVISOR_VIEWS
+                or name == "neg"
+                or name in ("mul", "div")
+                and len(exponent.args) == 2
+                and not self._deg(exponent.args[1])
+            ):
                 exponent = exponent.args[0]
             elif name == "mul" and len(exponent.args) == 2 and not self._deg(exponent.args[0]):
                 exponent = exponent.args[1]
@@ -428,8 +465,9 @@ class _Walk:
         if _name(exponent.target) not in ("add", "sub", "rsub"):
             return False
         terms = [t for t in exponent.args[:2] if isinstance(t, fx.Node)]
-        return (any(self._deg(t) for t in terms)
-                and any(not self._deg(t) and self._from_another_save(t, rounded_alike=True) for t in terms))
+        return any(self._deg(t) for t in terms) and any(
+            not self._deg(t) and self._from_another_save(t, rounded_alike=True) for t in terms
+        )
 
     def _counts(self, node: fx.Node) -> bool:
         """Whether ``node`` is computed from boolean and integer saves alone: a count (how
@@ -562,7 +600,7 @@ class _Walk:
             self._record(Use.SMOOTH if clear else Use.SINGULAR, node)
             return 1
         if "attention" in name and "backward" in name:
-            for (arg_name, value), degree in zip(arguments, degrees):
+            for (arg_name, _), degree in zip(arguments, degrees):
                 if degree and arg_name in _ATTENTION_SCORES:
                     self._record(Use.SMOOTH, node)
                 elif degree and arg_name in _ATTENTION_MASKS:
@@ -571,7 +609,9 @@ class _Walk:
         if name in _RECURRENT_BACKWARD:
             # Linear in the incoming gradients, quadratic in what the cells saved.
             grads = [d for (arg_name, _), d in zip(arguments, degrees) if arg_name and arg_name.startswith("grad")]
-            saves = [d for (arg_name, _), d in zip(arguments, degrees) if not (arg_name and arg_name.startswith("grad"))]
+            saves = [
+                d for (arg_name, _), d in zip(arguments, degrees) if not (arg_name and arg_name.startswith("grad"))
+            ]
             return max(max(grads, default=0), 2 * max(saves, default=0))
         return self._step_probed(node, Use.SINGULAR)  # an aten op not described here
 
@@ -689,7 +729,7 @@ class _Walk:
             use, self.reason = Use.SINGULAR, "compared at the kink of a ReLU recomputed from it"
         elif self.thresholds and use >= Use.LINEAR:
             # Compared and read for its value: rounding across a threshold switches the value read.
-            if Use.SMOOTH > use:
+            if use < Use.SMOOTH:
                 use, value_use, self.reason = Use.SMOOTH, use, "comparison"
         elif self.thresholds:
             use = max(use, Use.REGION)
@@ -700,7 +740,11 @@ class _Walk:
 
 
 # Ops whose result is never negative, whatever their (finite) argument.
-_NONNEGATIVE = frozenset({"exp", "exp2", "sigmoid", "abs", "relu", "square", "softplus", "cosh"})
+_NONNEGATIVE = frozenset(
+    """
+    exp exp2 sigmoid abs relu square softplus cosh
+    """.split()
+)
 
 
 def _lower_bound(value: Any, nonnegative: Collection[fx.Node] = ()) -> float | None:
@@ -747,8 +791,9 @@ def _downstream(target: fx.Node) -> list[fx.Node]:
     return sorted(found, key=position.__getitem__)
 
 
-def classify(target: fx.Node, tangents: Iterable[fx.Node] = (), saves: Saves = Saves(), *,
-             compiled: bool = False) -> Read:
+def classify(
+    target: fx.Node, tangents: Iterable[fx.Node] = (), saves: Saves = Saves(), *, compiled: bool = False
+) -> Read:
     """How the graph of ``target`` reads it, from ``target`` to the graph's outputs.
 
     ``target`` is a saved tensor's node in an aten graph (a read marker in a traced
@@ -803,8 +848,12 @@ def linear_arguments(node: fx.Node) -> frozenset[int] | None:
         elapsed = time.perf_counter() - started
         _probe_cost["ops"] += 1
         _probe_cost["seconds"] += elapsed
-        _log.info("lightning_act: measured how %s reads its arguments in %.1f ms: linear in %s", node.target,
-                  elapsed * 1e3, "nothing measurable" if _probed[key] is None else sorted(_probed[key]))
+        _log.info(
+            "lightning_act: measured how %s reads its arguments in %.1f ms: linear in %s",
+            node.target,
+            elapsed * 1e3,
+            "nothing measurable" if _probed[key] is None else sorted(_probed[key]),
+        )
     return _probed[key]
 
 
@@ -828,7 +877,9 @@ def _measure_linearity(op: Callable, vals: list, spec) -> frozenset[int] | None:
         def run(moved: dict[int, torch.Tensor]) -> list[torch.Tensor]:
             args, kwargs = pytree.tree_unflatten([moved.get(i, v) for i, v in enumerate(values)], spec)
             out = op(*args, **kwargs)
-            return [o.double() for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+            return [
+                o.double() for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.is_floating_point()
+            ]
 
         try:
             with torch.no_grad():
@@ -920,8 +971,9 @@ class PointwiseDerivative:
 
     for_its_op_alone = True
 
-    def __init__(self, derivative: Callable, xs: torch.Tensor, hs: torch.Tensor, dtype: torch.dtype,
-                 source: str | None = None):
+    def __init__(
+        self, derivative: Callable, xs: torch.Tensor, hs: torch.Tensor, dtype: torch.dtype, source: str | None = None
+    ):
         self._h = derivative
         # float64 on the CPU, hs ascending; held once per table (see ``_TABLES``), xs apart
         # from the wider grid it may view
@@ -933,8 +985,9 @@ class PointwiseDerivative:
         self._grids: dict[tuple[str, torch.device], _Grid | None] = {}
 
     @staticmethod
-    def find(target: fx.Node, tangents: list[fx.Node], walk: _Walk, compiled: bool = False
-             ) -> PointwiseDerivative | None:
+    def find(
+        target: fx.Node, tangents: list[fx.Node], walk: _Walk, compiled: bool = False
+    ) -> PointwiseDerivative | None:
         """The derivative of the pointwise op whose backward reads ``target``, if it is one."""
         found = _pointwise_backward(target, tangents, walk, compiled)
         return None if found is None else _branch(*found)
@@ -952,7 +1005,7 @@ class PointwiseDerivative:
         return (code, str(self._dtype)) if PointwiseDerivative.from_source(code, str(self._dtype)) else None
 
     @staticmethod
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def from_source(code: str, dtype: str) -> PointwiseDerivative | None:
         """The derivative :attr:`source` describes (None if it does not rebuild)."""
         namespace: dict[str, Any] = {"torch": torch, "inf": float("inf"), "nan": float("nan"), "device": torch.device}
@@ -994,12 +1047,14 @@ class PointwiseDerivative:
     def unpack(self, record) -> torch.Tensor:
         """The input backward reads, from the record its derivative was stored in."""
         if isinstance(record, QuantizedTensor) and record.matrix == (0, 0):
-            return self.restore_quantized(record.codes, record.stats, record.bits, record.group_size,
-                                          record.shape.numel(), record.dtype).view(record.shape)
+            return self.restore_quantized(
+                record.codes, record.stats, record.bits, record.group_size, record.shape.numel(), record.dtype
+            ).view(record.shape)
         return self.restore(record.unpack())
 
-    def restore_quantized(self, codes: torch.Tensor, stats: torch.Tensor, bits: int, group_size: int, numel: int,
-                          dtype: torch.dtype) -> torch.Tensor:
+    def restore_quantized(
+        self, codes: torch.Tensor, stats: torch.Tensor, bits: int, group_size: int, numel: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         """:meth:`restore` of what :func:`~lightning_act.ops.unpack_dequantize` decodes from
         these codes, bit for bit, with the inverse taken once per level of each group
         (``2**bits`` values per group, not one per value) and read back by code: a lookup per
@@ -1028,8 +1083,9 @@ class PointwiseDerivative:
         by position on the whole grid, not ``exact``), on ``device``: what :meth:`restore`
         reads, and the graph ops' C++ side with it."""
         if ("inverse", device) not in self._grids:
-            self._grids["inverse", device] = _shared(("inverse", device, self._table_key),
-                                                     lambda: self._inverse_grid(device))
+            self._grids["inverse", device] = _shared(
+                ("inverse", device, self._table_key), lambda: self._inverse_grid(device)
+            )
         return self._grids["inverse", device]
 
     def _inverse_grid(self, device: torch.device) -> _Grid:
@@ -1201,8 +1257,13 @@ def _is_cast(node: fx.Node) -> bool:
 def _is_reshape(node: fx.Node, val: torch.Tensor) -> bool:
     """Whether ``node`` reshapes a tensor of value ``val`` keeping the order of its values."""
     out = node.meta.get("val")
-    return (node.op == "call_function" and _name(node.target) in _RESHAPES and isinstance(out, torch.Tensor)
-            and out.numel() == val.numel() and val.is_contiguous())
+    return (
+        node.op == "call_function"
+        and _name(node.target) in _RESHAPES
+        and isinstance(out, torch.Tensor)
+        and out.numel() == val.numel()
+        and val.is_contiguous()
+    )
 
 
 def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk, compiled: bool = False):
@@ -1229,8 +1290,7 @@ def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk, c
         out = node.meta.get("val")
         return (
             isinstance(node.target, torch._ops.OpOverload)
-            and (torch.Tag.pointwise in node.target.tags or _name(node.target) in _ELEMENTWISE_COPIES
-                 or _is_cast(node))
+            and (torch.Tag.pointwise in node.target.tags or _name(node.target) in _ELEMENTWISE_COPIES or _is_cast(node))
             and isinstance(out, torch.Tensor)
             and out.shape in shapes
         )
@@ -1249,8 +1309,9 @@ def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk, c
             return True
         if node in walk.reached:
             return False
-        constant = (node.op == "call_function" and not node.all_input_nodes
-                    and isinstance(node.target, torch._ops.OpOverload))
+        constant = (
+            node.op == "call_function" and not node.all_input_nodes and isinstance(node.target, torch._ops.OpOverload)
+        )
         if constant:
             env[node] = graph.node_copy(node, env.__getitem__)
             return True
@@ -1294,8 +1355,12 @@ def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk, c
             dtype = h.dtype
             tolerance = 8 * torch.finfo(dtype).eps
             for scale in (1.0, -3.0):
-                ok = torch.allclose(gm(x, g * scale).double(), (g * scale * h.double()).to(dtype).double(),
-                                    rtol=tolerance, atol=tolerance)
+                ok = torch.allclose(
+                    gm(x, g * scale).double(),
+                    (g * scale * h.double()).to(dtype).double(),
+                    rtol=tolerance,
+                    atol=tolerance,
+                )
                 if not ok:
                     return None
     except Exception:  # an op that does not run in float64 on the CPU: not this case
@@ -1303,8 +1368,9 @@ def _pointwise_backward(target: fx.Node, tangents: list[fx.Node], walk: _Walk, c
     return gm, dtype
 
 
-def _pointwise_region(target: fx.Node, aliases: list[fx.Node], walk: _Walk, outputs: list[fx.Node],
-                      pointwise: Callable) -> tuple[list[fx.Node], list[fx.Node]]:
+def _pointwise_region(
+    target: fx.Node, aliases: list[fx.Node], walk: _Walk, outputs: list[fx.Node], pointwise: Callable
+) -> tuple[list[fx.Node], list[fx.Node]]:
     """In a compiled region's whole backward: the pointwise nodes computed from ``target``
     (or ``aliases``, reshapes of it) and the gradient before anything else reads it, and the
     one of them the rest of the backward reads (``grad * h(x)``), provided the rest reads it
@@ -1327,8 +1393,9 @@ def _pointwise_region(target: fx.Node, aliases: list[fx.Node], walk: _Walk, outp
         if len(leaving) != 1 or not _reads_a_gradient(region, reached, inside, leaving[0]):
             continue
         result = leaving[0]
-        if any(n not in inside and any(a in inside and a is not result for a in n.all_input_nodes)
-               for n in walk.reached):
+        if any(
+            n not in inside and any(a in inside and a is not result for a in n.all_input_nodes) for n in walk.reached
+        ):
             continue  # the rest still reads target, or a partial result, besides the region's result
         downstream = _Walk(result, walk.saves)
         if downstream.result(outputs).use > Use.LINEAR or downstream.thresholds:
@@ -1342,8 +1409,14 @@ def _reads_a_gradient(region: list[fx.Node], reached: set[fx.Node], inside: set[
     saved tensor (the gradient reaching the op): a region of ``h(x)`` alone is not yet
     ``grad * h(x)``."""
     shape = result.meta["val"].shape
-    return any(a not in reached and a not in inside and isinstance(a.meta.get("val"), torch.Tensor)
-               and a.meta["val"].shape == shape for n in region for a in n.all_input_nodes)
+    return any(
+        a not in reached
+        and a not in inside
+        and isinstance(a.meta.get("val"), torch.Tensor)
+        and a.meta["val"].shape == shape
+        for n in region
+        for a in n.all_input_nodes
+    )
 
 
 def _branch(gm: Callable, dtype: torch.dtype) -> PointwiseDerivative | None:
@@ -1426,7 +1499,9 @@ def _sharing(flat: list, positions: list[int]) -> list[int]:
     return [first.setdefault(id(flat[i]), len(first)) for i in positions]
 
 
-def call_reads(func: Callable, args: tuple, kwargs: dict, autocast: tuple = ()) -> tuple[tuple[Read, ...], tuple] | None:
+def call_reads(
+    func: Callable, args: tuple, kwargs: dict, autocast: tuple = ()
+) -> tuple[tuple[Read, ...], tuple] | None:
     """How backward reads each tensor the call ``func(*args, **kwargs)`` saves, in the order it
     saves them, with the ``(dtype, rank)`` of each; None if the call cannot be traced.
     ``autocast`` is the autocast the call runs under
@@ -1470,7 +1545,7 @@ def in_fresh_thread(work: Callable[[], Any]) -> Any:
     def run() -> None:
         try:
             outcome["value"] = work()
-        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as error:  # re-raised in the caller's thread
             outcome["error"] = error
 
     thread = threading.Thread(target=run, name="lightning_act-trace")
@@ -1523,8 +1598,9 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.grad_fn is not None]
         if not outs or not leaves:
             return ()
-        tangents = [torch.ops.lightning_act_reads.read(torch.ones_like(o), _TANGENT_SLOTS - k)
-                    for k, o in enumerate(outs)]
+        tangents = [
+            torch.ops.lightning_act_reads.read(torch.ones_like(o), _TANGENT_SLOTS - k) for k, o in enumerate(outs)
+        ]
         return torch.autograd.grad(outs, leaves, tangents, allow_unused=True)
 
     rng = torch.random.get_rng_state()
@@ -1564,8 +1640,9 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
         # Unpacked, and reaching no gradient as traced: torch's formula may branch on what it
         # is given (prod's backward, for a tensor subclass such as the fake ones traced,
         # avoids dividing by the input; for real ones it reads ``result / input``).
-        read_for_real = _slots_read_for_real(func, flat, spec, positions, shared, requires, autocast, len(saves),
-                                             unused)
+        read_for_real = _slots_read_for_real(
+            func, flat, spec, positions, shared, requires, autocast, len(saves), unused
+        )
         for slot in unused:
             if read_for_real is None or slot in read_for_real:
                 reads[slot] = Read(Use.SINGULAR, reason=_UNTRACED_BRANCH)
@@ -1577,8 +1654,17 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
 _UNTRACED_BRANCH = "read by a branch the trace did not take"
 
 
-def _slots_read_for_real(func: Callable, flat: list, spec, positions: list[int], shared: list[int],
-                         requires: list[bool], autocast: tuple, saves: int, slots: list[int]) -> frozenset[int] | None:
+def _slots_read_for_real(
+    func: Callable,
+    flat: list,
+    spec,
+    positions: list[int],
+    shared: list[int],
+    requires: list[bool],
+    autocast: tuple,
+    saves: int,
+    slots: list[int],
+) -> frozenset[int] | None:
     """Of ``slots``, the saves whose values the call's real backward reads: each in turn is
     handed back as NaN, then as other values; a gradient that turns NaN (read through
     arithmetic) or changes (read through a comparison, where NaN compares false) read it.
@@ -1593,8 +1679,9 @@ def _slots_read_for_real(func: Callable, flat: list, spec, positions: list[int],
     copies = [t.detach().to("cpu", copy=True) for t in tensors]
     generator = torch.Generator().manual_seed(0)
 
-    def gradients(slot: int | None = None, replace: Callable[[torch.Tensor], torch.Tensor] | None = None
-                  ) -> list | None:
+    def gradients(
+        slot: int | None = None, replace: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> list | None:
         values, distinct, leaves = list(flat), {}, []
         for i, k, copy in zip(positions, shared, copies):
             if k not in distinct:
@@ -1642,17 +1729,18 @@ def _slots_read_for_real(func: Callable, flat: list, spec, positions: list[int],
             poisoned, moved = gradients(slot, nan), gradients(slot, other)
             if poisoned is None or moved is None:
                 return None
-            if any(g is not None and (bool(torch.isnan(g).any()) or not torch.equal(g, m))
-                   for g, m in zip(poisoned, moved)) or any(
-                    (g is None) != (e is None) or (g is not None and not torch.equal(g, e))
-                    for g, e in zip(moved, exact)):
+            if any(
+                g is not None and (bool(torch.isnan(g).any()) or not torch.equal(g, m)) for g, m in zip(poisoned, moved)
+            ) or any(
+                (g is None) != (e is None) or (g is not None and not torch.equal(g, e)) for g, e in zip(moved, exact)
+            ):
                 found.add(slot)
         return frozenset(found)
 
     rng = torch.random.get_rng_state()
     try:
         return read_slots()
-    except Exception:  # noqa: BLE001 - whatever the call raises on the CPU: not measured
+    except Exception:
         return None
     finally:
         torch.random.set_rng_state(rng)
@@ -1687,8 +1775,9 @@ _EQUALITY = frozenset({"eq", "ne"})
 _AND = frozenset({"logical_and", "logical_and_", "bitwise_and", "bitwise_and_"})
 
 
-def _with_recomputes(reads: tuple[Read, ...], slots: dict[int, list[fx.Node]],
-                     saves: list[tuple[torch.dtype, int]], given: set) -> tuple[Read, ...]:
+def _with_recomputes(
+    reads: tuple[Read, ...], slots: dict[int, list[fx.Node]], saves: list[tuple[torch.dtype, int]], given: set
+) -> tuple[Read, ...]:
     """``reads`` with a :class:`Recompute` on each float output of a fused attention (an op
     of the trace whose name holds ``attention``) without dropout, whose tensor arguments are
     all saved by the call before it. Its other arguments must be flags, zero, or numbers the
@@ -1733,8 +1822,11 @@ def _with_matches(reads: list[Read], slots: dict[int, list[fx.Node]]) -> tuple[R
     """``reads`` with a :class:`Match` on each save backward only tests for equality with a
     value computed from other saves. Of two saves compared with each other (``amax``'s input
     and result), only the larger is stored as its match; the other stays as it is."""
-    found = {slot: _match(slot, slots) for slot, read in enumerate(reads)
-             if read.use is Use.EXACT and read.reason in _EQUALITY}
+    found = {
+        slot: _match(slot, slots)
+        for slot, read in enumerate(reads)
+        if read.use is Use.EXACT and read.reason in _EQUALITY
+    }
     matches = {slot: match for slot, (match, _) in found.items() if match is not None}
     covered = {slot: nodes for slot, (match, nodes) in found.items() if match is not None}
 
@@ -1744,18 +1836,26 @@ def _with_matches(reads: list[Read], slots: dict[int, list[fx.Node]]) -> tuple[R
 
     for slot, match in list(matches.items()):
         for partner in match.partners:
-            if partner in matches and slot in matches[partner].partners:
-                if (numel(slot), -slot) < (numel(partner), -partner):
-                    matches.pop(slot, None)
-                    covered.pop(slot, None)
-    partners = {slot: _matched_against(slot, slots, matches, covered) for slot, read in enumerate(reads)
-                if slot not in matches and read.use is Use.EXACT and read.reason in _EQUALITY}
-    return tuple(read._replace(match=matches.get(slot), match_partner=partners.get(slot, ()))
-                 for slot, read in enumerate(reads))
+            if (
+                partner in matches
+                and slot in matches[partner].partners
+                and (numel(slot), -slot) < (numel(partner), -partner)
+            ):
+                matches.pop(slot, None)
+                covered.pop(slot, None)
+    partners = {
+        slot: _matched_against(slot, slots, matches, covered)
+        for slot, read in enumerate(reads)
+        if slot not in matches and read.use is Use.EXACT and read.reason in _EQUALITY
+    }
+    return tuple(
+        read._replace(match=matches.get(slot), match_partner=partners.get(slot, ())) for slot, read in enumerate(reads)
+    )
 
 
-def _matched_against(slot: int, slots: dict[int, list[fx.Node]], matches: dict[int, Match],
-                     covered: dict[int, frozenset[fx.Node]]) -> tuple[int, ...]:
+def _matched_against(
+    slot: int, slots: dict[int, list[fx.Node]], matches: dict[int, Match], covered: dict[int, frozenset[fx.Node]]
+) -> tuple[int, ...]:
     """The saves stored as their match that save ``slot`` is compared with, where backward
     reads it only for those comparisons (every path from it ends in one) and they are saved
     before it (so that their outcomes are taken when it arrives); else none. Not where a
@@ -1858,8 +1958,12 @@ def _and_isnan_of(isnan: fx.Node) -> fx.Node | None:
         if name not in _AND or len(user.args) != 2 or user.kwargs:
             return None
         partner = user.args[1] if user.args[0] is isnan else user.args[0]
-        if not (isinstance(partner, fx.Node) and isinstance(partner.target, torch._ops.OpOverload)
-                and _name(partner.target) == "isnan" and isinstance(partner.args[0], fx.Node)):
+        if not (
+            isinstance(partner, fx.Node)
+            and isinstance(partner.target, torch._ops.OpOverload)
+            and _name(partner.target) == "isnan"
+            and isinstance(partner.args[0], fx.Node)
+        ):
             return None
         found.add(partner.args[0])
     return found.pop() if len(found) == 1 else None
@@ -1910,10 +2014,15 @@ def _read_graph(backward: fx.Graph, forward: fx.Graph | None) -> dict[str, Read]
     # What the forward computed each save with: the partitioner saves softplus's ``exp(x)``
     # and divides by ``1 + exp(x)`` in backward; a forward input is a parameter or the like.
     made_by = {n.name: n for n in forward.nodes} if forward is not None else {}
-    saves = Saves(set(saved.values()),
-                  {n for name, n in saved.items() if name in made_by and made_by[name].op == "call_function"
-                   and _name(made_by[name].target) in _NONNEGATIVE},
-                  {n for name, n in saved.items() if name in made_by and made_by[name].op == "placeholder"})
+    saves = Saves(
+        set(saved.values()),
+        {
+            n
+            for name, n in saved.items()
+            if name in made_by and made_by[name].op == "call_function" and _name(made_by[name].target) in _NONNEGATIVE
+        },
+        {n for name, n in saved.items() if name in made_by and made_by[name].op == "placeholder"},
+    )
     return {name: classify(n, tangents, saves, compiled=True) for name, n in saved.items()}
 
 

@@ -31,6 +31,8 @@ from lightning_act.monitor import (
 )
 from lightning_act.ops import ensure_kernels
 from lightning_act.policy import AdaptiveBits, AllocatedBits, FixedBits
+from lightning_act.policy.bits import bits_name
+from lightning_act.policy.estimators import GradientSensitivity
 from lightning_act.policy.memory_target import (
     MemoryTargetError,
     TargetBits,
@@ -38,8 +40,6 @@ from lightning_act.policy.memory_target import (
     parse_memory_target,
     unreachable_message,
 )
-from lightning_act.policy.bits import bits_name
-from lightning_act.policy.estimators import GradientSensitivity
 
 LOG_PREFIX = "act"
 ESTIMATORS = ("gradient", "probe", "probe_per_tensor")
@@ -164,11 +164,19 @@ class ActCompression(Callback):
     ):
         super().__init__()
         self.config = CompressionConfig(
-            bits=bits, group_size=group_size, min_numel=min_numel, seed=seed, codec=codec, block=block,
-            group_order=group_order, unfused_recurrent=unfused_recurrent,
+            bits=bits,
+            group_size=group_size,
+            min_numel=min_numel,
+            seed=seed,
+            codec=codec,
+            block=block,
+            group_order=group_order,
+            unfused_recurrent=unfused_recurrent,
         )
         if budget is not None and bits != 2:
-            raise ValueError(f"bits={bits!r} and budget={budget!r}: set bits for a fixed policy or budget for an adaptive one")
+            raise ValueError(
+                f"bits={bits!r} and budget={budget!r}: set bits for a fixed policy or budget for an adaptive one"
+            )
         if memory_target is not None and (budget is not None or bits != 2):
             raise ValueError(
                 f"memory_target={memory_target!r} with bits={bits!r}, budget={budget!r}: a memory target chooses the "
@@ -456,15 +464,21 @@ class ActCompression(Callback):
             if rows:
                 self._recalibrate_by_probes(trainer, pl_module, batch, batch_idx, rows)
                 return
-            too_large = (f"probes on even one sample would need more than the {self._probe_room() / MIB:.1f} MiB "
-                         "the last step left")
+            too_large = (
+                f"probes on even one sample would need more than the {self._probe_room() / MIB:.1f} MiB "
+                "the last step left"
+            )
             if _is_compiled(pl_module):  # the gradient estimator sees no statistics inside graphs
                 self._next_calibration = trainer.global_step + self.recalibrate_every_n_steps
-                rank_zero_info(f"lightning_act: the bits stay as they are at step {trainer.global_step}: {too_large}, "
-                               f"and the model runs compiled; next try at step {self._next_calibration}")
+                rank_zero_info(
+                    f"lightning_act: the bits stay as they are at step {trainer.global_step}: {too_large}, "
+                    f"and the model runs compiled; next try at step {self._next_calibration}"
+                )
                 return
-            rank_zero_info(f"lightning_act: recalibrating the bits at step {trainer.global_step} from the gradients of "
-                           f"the next {self.calibration_steps} steps: {too_large}")
+            rank_zero_info(
+                f"lightning_act: recalibrating the bits at step {trainer.global_step} from the gradients of "
+                f"the next {self.calibration_steps} steps: {too_large}"
+            )
         self._gradient_estimate = GradientSensitivity()
         self._calibration_end = trainer.global_step + self.calibration_steps
 
@@ -488,14 +502,16 @@ class ActCompression(Callback):
         room = self._probe_room()
         return next((r for r in range(wanted, 0, -1) if self._probe_cost.predict(r, row_bytes) <= room), 0)
 
-    def _recalibrate_by_probes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
-                               rows: int) -> None:
+    def _recalibrate_by_probes(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, rows: int
+    ) -> None:
         started = time.perf_counter()
         sample = _leading_rows(batch, rows)
         whole = _batch_rows(batch) is None
         rank_zero_info(
             f"lightning_act: recalibrating the bits at step {trainer.global_step}: probing the saved tensors "
-            f"({_PROBE_METHODS[self.estimator]}) on " + ("the whole batch" if whole else f"{rows} sample{'s' * (rows > 1)} of the batch")
+            f"({_PROBE_METHODS[self.estimator]}) on "
+            + ("the whole batch" if whole else f"{rows} sample{'s' * (rows > 1)} of the batch")
             + ("" if whole or rows == self.probe_samples else " (as many as fit the memory the last step left)")
         )
 
@@ -507,8 +523,11 @@ class ActCompression(Callback):
         # A compiled backward frees what its graph saved as it runs (donated buffers), so it
         # cannot run once per probe: the probes run compiled code eagerly.
         with torch.compiler.set_stance("force_eager"):
-            sensitivity, held = self._step_peak.peak_of(lambda: self.capture.measure_sensitivity(
-                loss_fn, inputs=sample, optimizers=trainer.optimizers, method=_PROBE_METHODS[self.estimator]))
+            sensitivity, held = self._step_peak.peak_of(
+                lambda: self.capture.measure_sensitivity(
+                    loss_fn, inputs=sample, optimizers=trainer.optimizers, method=_PROBE_METHODS[self.estimator]
+                )
+            )
         if held is not None and self.last_report.saved_bytes:
             self._probe_cost.observe(rows, self.last_report.saved_bytes / (_batch_rows(batch) or 1), held)
         self._solve(trainer, sensitivity, started)
@@ -565,8 +584,13 @@ class ActCompression(Callback):
             )
 
     # ----------------------------------------------------------------- batch-size search
-    _STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
-                   "on_train_batch_end")
+    _STEP_HOOKS = (
+        "on_train_batch_start",
+        "on_before_backward",
+        "on_after_backward",
+        "on_before_optimizer_step",
+        "on_train_batch_end",
+    )
 
     def _follow_batch_size_search(self, pl_module: pl.LightningModule) -> None:
         """Compress the trial steps of Lightning's batch-size search (``BatchSizeFinder``,
@@ -575,8 +599,11 @@ class ActCompression(Callback):
         those until the search is over. The batch found is then the one that fits
         compressed (with a memory target: the largest whose steps fit the target)."""
         for name in self._STEP_HOOKS:
-            setattr(pl_module, name, functools.partial(_this_hook_then, getattr(self, name), pl_module,
-                                                        getattr(pl_module, name)))
+            setattr(
+                pl_module,
+                name,
+                functools.partial(_this_hook_then, getattr(self, name), pl_module, getattr(pl_module, name)),
+            )
 
     def _stop_following_batch_size_search(self, pl_module: pl.LightningModule) -> None:
         for name in self._STEP_HOOKS:
@@ -592,8 +619,9 @@ class ActCompression(Callback):
                 "plan starts again from the lowest bits"
             )
 
-    def _follow_target(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                       report: CompressionReport) -> dict[str, float]:
+    def _follow_target(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, report: CompressionReport
+    ) -> dict[str, float]:
         """Compare the step's peak with the target and move the plan where it should."""
         peak, lasting = self.last_peak_bytes, self._lasting_peak_bytes
         if peak is None:
@@ -628,17 +656,34 @@ class ActCompression(Callback):
             )
         return figures
 
-    def _unreachable(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                     report: CompressionReport, peak: int, lasting_peak: int) -> str:
+    def _unreachable(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        report: CompressionReport,
+        peak: int,
+        lasting_peak: int,
+    ) -> str:
         held = step_holdings(pl_module, trainer.optimizers, tensors_in(batch), report.stored_bytes)
-        return unreachable_message(self.memory_target, self.policy.target_bytes, peak, lasting_peak,
-                                   trainer.global_step, self._step_peak.source, held, pl_module.device.type)
+        return unreachable_message(
+            self.memory_target,
+            self.policy.target_bytes,
+            peak,
+            lasting_peak,
+            trainer.global_step,
+            self._step_peak.source,
+            held,
+            pl_module.device.type,
+        )
 
     def _target_summary(self) -> list[str]:
         policy = self.policy
         if policy.all_exact_fits:
-            return [f"memory target {policy.target_bytes / MIB:.2f} MiB: above the peak with every saved tensor exact; "
-                    "nothing compressed"]
+            return [
+                f"memory target {policy.target_bytes / MIB:.2f} MiB: above the peak with every saved tensor exact; "
+                "nothing compressed"
+            ]
         chosen = _per_width(policy.assignment) or "every tensor at its lowest bits"
         measured = "not measured" if policy.measured_peak is None else f"{policy.measured_peak / MIB:.2f} MiB"
         return [

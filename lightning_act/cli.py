@@ -34,7 +34,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 # Short class names resolve only for imported classes.
-import lightning_act  # noqa: F401
+import lightning_act
 import lightning_act.examples  # noqa: F401
 from lightning_act.callback import ActCompression
 
@@ -153,7 +153,9 @@ def main(args: list[str] | None = None) -> None:
     """
     # Lightning's loaders build torch's LeafSpec, which torch deprecates: a warning on every
     # run about Lightning's internals that no setting of this command can act on.
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
     ActCLI(args)
 
 
@@ -187,12 +189,7 @@ def _resolve_paths_from_config(section: Any, key: str, root: Path, given: set[st
         return
     for name, hint in hints.items():
         value = init_args.get(name)
-        if (
-            _is_path_type(hint)
-            and isinstance(value, str)
-            and not os.path.isabs(value)
-            and f"{key}.{name}" not in given
-        ):
+        if _is_path_type(hint) and isinstance(value, str) and not os.path.isabs(value) and f"{key}.{name}" not in given:
             init_args[name] = os.path.normpath(root / value)
 
 

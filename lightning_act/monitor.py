@@ -64,8 +64,13 @@ class StepPeakMemory:
         elif device.type == "cpu" and _install_live_counter():
             self.source = "live tensors, lightning_act's CPU allocator counter"
             counts = torch.ops.lightning_act.live_memory_counts
-            self._untracked = 0 if model is None else storage_bytes(
-                t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu" and not counts(t))
+            self._untracked = (
+                0
+                if model is None
+                else storage_bytes(
+                    t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu" and not counts(t)
+                )
+            )
         else:
             self.exact = False
             self.source = "resident high-water mark (VmHWM)" if self._resident else None
@@ -85,8 +90,9 @@ class StepPeakMemory:
         self.close()
         self._optimizers = optimizers
         if update_hooks:
-            self._update_hooks = [optimizer.register_step_pre_hook(lambda *_: self.before_update())
-                                  for optimizer in optimizers]
+            self._update_hooks = [
+                optimizer.register_step_pre_hook(lambda *_: self.before_update()) for optimizer in optimizers
+            ]
 
     def close(self) -> None:
         """Stop following the optimizers."""
@@ -138,8 +144,11 @@ class StepPeakMemory:
         self._earlier_peak = self.peak_bytes()
         self._restart_counter()
         result = work()
-        counted = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else (
-            torch.ops.lightning_act.live_memory_read()[1] + self._untracked)
+        counted = (
+            torch.cuda.max_memory_allocated(self.device)
+            if self.device.type == "cuda"
+            else (torch.ops.lightning_act.live_memory_read()[1] + self._untracked)
+        )
         return result, counted - before
 
     def _restart_counter(self) -> None:
@@ -161,14 +170,19 @@ class StepPeakMemory:
         if peak is None or (self._update_peak is None and forward_peak is None):
             return peak
         new_state = storage_bytes(
-            value for optimizer in self._optimizers for p, state in optimizer.state.items()
-            if id(p) not in self._stated_at_start for value in state.values() if isinstance(value, torch.Tensor)
+            value
+            for optimizer in self._optimizers
+            for p, state in optimizer.state.items()
+            if id(p) not in self._stated_at_start
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
         )
         if self._update_peak is not None:
             peak = max(peak, self._update_peak + new_state)
         if forward_peak is not None:
-            new_gradients = storage_bytes(p.grad for p in self._parameters()
-                                          if p.grad is not None and id(p) not in self._graded_at_start)
+            new_gradients = storage_bytes(
+                p.grad for p in self._parameters() if p.grad is not None and id(p) not in self._graded_at_start
+            )
             peak = max(peak, forward_peak + new_state + new_gradients)
         return peak
 
@@ -182,8 +196,9 @@ def storage_bytes(tensors) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def step_holdings(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], batch_tensors,
-                  saved_bytes: int) -> dict[str, int]:
+def step_holdings(
+    model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], batch_tensors, saved_bytes: int
+) -> dict[str, int]:
     """Bytes a training step holds by what holds them: parameters, gradients, optimizer
     state, the batch and the forward's saved tensors (``saved_bytes``)."""
     parameters = list(model.parameters())
@@ -191,7 +206,10 @@ def step_holdings(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
         "parameters": storage_bytes(parameters),
         "gradients": storage_bytes(p.grad for p in parameters if p.grad is not None),
         "optimizer state": storage_bytes(
-            value for optimizer in optimizers for state in optimizer.state.values() for value in state.values()
+            value
+            for optimizer in optimizers
+            for state in optimizer.state.values()
+            for value in state.values()
             if isinstance(value, torch.Tensor)
         ),
         "the batch": storage_bytes(batch_tensors),
@@ -333,7 +351,11 @@ def log_allocation(
     if any(s in slots for s in assignment):
         total = sum(slots[s].numel for s in assignment if s in slots)
         scalars[f"{prefix}/mean_bits"] = (
-            sum((slots[s].element_bits if b is None else b) * slots[s].numel for s, b in assignment.items() if s in slots)
+            sum(
+                (slots[s].element_bits if b is None else b) * slots[s].numel
+                for s, b in assignment.items()
+                if s in slots
+            )
             / total
         )
     for logger in loggers:

@@ -41,15 +41,24 @@ a GPU, where the same step takes milliseconds, it would be a few percent (not me
 from __future__ import annotations
 
 import warnings
-
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._C import _len_torch_function_stack
 from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 
-__all__ = ["LOOK_UP", "PLAIN_TYPES", "OpTracker", "TrackedCall", "arguments_key", "autocast_state", "call_argument",
-           "is_same_tensor", "saved_index_range"]
+__all__ = [
+    "LOOK_UP",
+    "PLAIN_TYPES",
+    "OpTracker",
+    "TrackedCall",
+    "arguments_key",
+    "autocast_state",
+    "call_argument",
+    "is_same_tensor",
+    "saved_index_range",
+]
 
 #: :attr:`TrackedCall.reads` and ``key`` before the call's first save looks them up.
 LOOK_UP = object()
@@ -66,8 +75,7 @@ class TrackedCall:
 
     __slots__ = ("name", "func", "args", "kwargs", "saves", "autocast", "reads", "key", "saved", "waiting")
 
-    def __init__(self, name: str, args: tuple, kwargs: dict, saves: int = 0, func: Any = None,
-                 autocast: tuple = ()):
+    def __init__(self, name: str, args: tuple, kwargs: dict, saves: int = 0, func: Any = None, autocast: tuple = ()):
         self.name = name
         self.func = func
         self.args = args
@@ -119,11 +127,16 @@ def arguments_key(value: Any, tensor_key: Callable[[torch.Tensor], Any], other_k
         return tensor_key(value)
     kind = type(value)
     if kind is tuple:  # a call's positional arguments: most of them tensors and plain values
-        return tuple([
-            tensor_key(v) if isinstance(v, torch.Tensor) else v if type(v) in PLAIN_TYPES
-            else arguments_key(v, tensor_key, other_key)
-            for v in value
-        ])
+        return tuple(
+            [
+                tensor_key(v)
+                if isinstance(v, torch.Tensor)
+                else v
+                if type(v) in PLAIN_TYPES
+                else arguments_key(v, tensor_key, other_key)
+                for v in value
+            ]
+        )
     if kind in PLAIN_TYPES or isinstance(value, _PLAIN_VALUES):
         return value
     if isinstance(value, (list, tuple)):

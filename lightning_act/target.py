@@ -53,8 +53,15 @@ class MemoryTarget:
                 optimizer.zero_grad()
     """
 
-    def __init__(self, model: nn.Module, target: int | float | str, optimizers: Sequence[torch.optim.Optimizer] = (),
-                 rules: Mapping[str, int | str] | None = None, config: CompressionConfig | None = None, **settings):
+    def __init__(
+        self,
+        model: nn.Module,
+        target: int | float | str,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        rules: Mapping[str, int | str] | None = None,
+        config: CompressionConfig | None = None,
+        **settings,
+    ):
         if config is not None and settings:
             raise ValueError(f"pass either config or keyword settings, not both (got {sorted(settings)})")
         device = next(model.parameters()).device
@@ -114,5 +121,13 @@ class MemoryTarget:
 
     def _unreachable(self, inputs: Any, lasting_peak: int) -> str:
         held = step_holdings(self.model, self.optimizers, tensors_in(inputs), self.capture.report.stored_bytes)
-        return unreachable_message(self.target, self.policy.target_bytes, self.last_peak_bytes, lasting_peak,
-                                   self.steps, self.meter.source, held, self.meter.device.type)
+        return unreachable_message(
+            self.target,
+            self.policy.target_bytes,
+            self.last_peak_bytes,
+            lasting_peak,
+            self.steps,
+            self.meter.source,
+            held,
+            self.meter.device.type,
+        )

@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-
 from lightning_act import ops
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -6,10 +6,9 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from lightning_act import ActCompression
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from lightning_act import ActCompression
 
 
 def make_images(n=256, seed=0):
@@ -184,11 +183,16 @@ def test_fit_summary_states_kept_memory_and_peak(tmp_path, caplog):
         assert f"{callback.last_peak_bytes / 2**20:.2f} MiB in the last step" in summary
 
 
-@pytest.mark.parametrize("accelerator", [
-    pytest.param("cpu", marks=pytest.mark.slow),  # a batch search: 2.5 s
-    pytest.param("gpu", marks=[pytest.mark.cuda,
-                               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
-])
+@pytest.mark.parametrize(
+    "accelerator",
+    [
+        pytest.param("cpu", marks=pytest.mark.slow),  # a batch search: 2.5 s
+        pytest.param(
+            "gpu",
+            marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+        ),
+    ],
+)
 def test_batch_size_finder_runs_with_the_callback(tmp_path, accelerator):
     from lightning.pytorch.tuner import Tuner
 
@@ -205,12 +209,21 @@ def test_batch_size_finder_runs_with_the_callback(tmp_path, accelerator):
 
     callback = ActCompression(bits=2)
     model = Tunable()
-    trainer = L.Trainer(accelerator=accelerator, devices=1, max_steps=4, logger=False, callbacks=[callback],
-                        enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        max_steps=4,
+        logger=False,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+    )
     found = Tuner(trainer).scale_batch_size(model, mode="power", init_val=16, steps_per_trial=2, max_trials=4)
     assert found == model.batch_size == 16 * 2**3  # every trial fits: the finder doubled each time
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # no hooks left behind
     trainer.fit(model)
     assert callback.last_report.counts["compressed"] >= 4
-    assert callback.last_report.slots and all(m.shape[0] == found for m in callback.last_report.slots.values()
-                                              if len(m.shape) == 4)
+    assert callback.last_report.slots and all(
+        m.shape[0] == found for m in callback.last_report.slots.values() if len(m.shape) == 4
+    )

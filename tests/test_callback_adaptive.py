@@ -5,10 +5,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning_act import ActCompression
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import DataLoader
 
-from lightning_act import ActCompression
 from tests.test_callback import SmallCNN, make_images
 
 
@@ -33,8 +33,9 @@ def loader():
 
 @pytest.mark.parametrize("estimator", ["gradient", pytest.param("probe", marks=pytest.mark.slow)])  # 2 s
 def test_recalibrates_and_logs_every_panel_to_tensorboard(tmp_path, estimator):
-    callback = ActCompression(budget=2.0, estimator=estimator, warmup_steps=2, calibration_steps=2,
-                              recalibrate_every_n_steps=4, min_numel=256)
+    callback = ActCompression(
+        budget=2.0, estimator=estimator, warmup_steps=2, calibration_steps=2, recalibrate_every_n_steps=4, min_numel=256
+    )
     logger = TensorBoardLogger(tmp_path, name="tb")
     trainer = trainer_for(tmp_path, [callback], 12, logger=logger, enable_checkpointing=False, log_every_n_steps=1)
     trainer.fit(SmallCNN(), loader())
@@ -45,7 +46,9 @@ def test_recalibrates_and_logs_every_panel_to_tensorboard(tmp_path, estimator):
     events.Reload()
     tags = events.Tags()
     assert any(t.startswith("act/bits/net.") for t in tags["scalars"])
-    assert {"act/compression_ratio", "act/recalibration_ms", "act/recalibration_pct", "act/mean_bits"} <= set(tags["scalars"])
+    assert {"act/compression_ratio", "act/recalibration_ms", "act/recalibration_pct", "act/mean_bits"} <= set(
+        tags["scalars"]
+    )
     assert "act/bits_histogram" in tags["histograms"]
     assert "act/bits_heatmap" in tags["images"]
     assert any(t.startswith("act/allocation") for t in tags["tensors"])  # add_text is stored as a tensor
@@ -60,7 +63,9 @@ def test_recalibration_is_announced_when_it_starts_and_when_it_ends(tmp_path, ca
     with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
         trainer_for(tmp_path, [callback], 3, enable_checkpointing=False).fit(SmallCNN(), loader())
     lines = [record.getMessage() for record in caplog.records if "recalibrat" in record.getMessage()]
-    assert lines[0].startswith("lightning_act: recalibrating the bits at step 2: probing the saved tensors (linearized) on ")
+    assert lines[0].startswith(
+        "lightning_act: recalibrating the bits at step 2: probing the saved tensors (linearized) on "
+    )
     assert lines[1].startswith("lightning_act: recalibrated at step 2 in ")
     assert "% of the training time so far" in lines[1] and lines[1].endswith("next at step 102")
     widths = sum(int(part.split(" at ")[0]) for part in lines[1].split("width: ")[1].split(";")[0].split(", "))
@@ -87,10 +92,14 @@ class Snapshot(Callback):
 @pytest.mark.slow  # 1.5 s
 def test_probes_leave_rng_batchnorm_and_accumulated_grads_alone(tmp_path):
     store = {}
-    callback = ActCompression(budget=2.0, estimator="probe", warmup_steps=1, recalibrate_every_n_steps=2,
-                              min_numel=256)
-    trainer = trainer_for(tmp_path, [Snapshot(store, "before"), callback, Snapshot(store, "after")], 6,
-                          accumulate_grad_batches=2, enable_checkpointing=False)
+    callback = ActCompression(budget=2.0, estimator="probe", warmup_steps=1, recalibrate_every_n_steps=2, min_numel=256)
+    trainer = trainer_for(
+        tmp_path,
+        [Snapshot(store, "before"), callback, Snapshot(store, "after")],
+        6,
+        accumulate_grad_batches=2,
+        enable_checkpointing=False,
+    )
     trainer.fit(SmallCNN(), loader())
     assert len(callback._history) >= 2
     for before, after in zip(store["before"], store["after"]):
@@ -102,8 +111,14 @@ def test_probes_leave_rng_batchnorm_and_accumulated_grads_alone(tmp_path):
 
 
 def test_resume_restores_the_same_bits_without_recalibrating(tmp_path):
-    first = ActCompression(budget=2.0, estimator="gradient", warmup_steps=1, calibration_steps=1,
-                           recalibrate_every_n_steps=100, min_numel=256)
+    first = ActCompression(
+        budget=2.0,
+        estimator="gradient",
+        warmup_steps=1,
+        calibration_steps=1,
+        recalibrate_every_n_steps=100,
+        min_numel=256,
+    )
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     trainer_for(tmp_path, [first, checkpoint], 4).fit(SmallCNN(), loader())
     assert first.policy.assignment
@@ -114,8 +129,14 @@ def test_resume_restores_the_same_bits_without_recalibrating(tmp_path):
         def on_train_start(self, trainer, pl_module):
             self.bits_at_start = dict(resumed.policy.assignment)
 
-    resumed = ActCompression(budget=2.0, estimator="gradient", warmup_steps=1, calibration_steps=1,
-                             recalibrate_every_n_steps=100, min_numel=256)
+    resumed = ActCompression(
+        budget=2.0,
+        estimator="gradient",
+        warmup_steps=1,
+        calibration_steps=1,
+        recalibrate_every_n_steps=100,
+        min_numel=256,
+    )
     check = Check()
     trainer_for(tmp_path, [resumed, check], 6).fit(SmallCNN(), loader(), ckpt_path=path)
     assert check.bits_at_start == first.policy.assignment
@@ -134,8 +155,9 @@ def test_adaptive_settings_are_validated():
 
 
 def test_allocation_table_shows_the_batch_and_the_bytes_of_its_bits(tmp_path):
-    callback = ActCompression(budget=2.0, estimator="probe", probe_samples=8, warmup_steps=2,
-                              recalibrate_every_n_steps=100, min_numel=256)
+    callback = ActCompression(
+        budget=2.0, estimator="probe", probe_samples=8, warmup_steps=2, recalibrate_every_n_steps=100, min_numel=256
+    )
     logger = TensorBoardLogger(tmp_path, name="tb")
     trainer = trainer_for(tmp_path, [callback], 5, logger=logger, enable_checkpointing=False, log_every_n_steps=1)
     trainer.fit(SmallCNN(), loader())
@@ -187,7 +209,9 @@ def test_a_recalibration_step_peaks_no_higher_than_the_steady_step(tmp_path, cap
     assert probed and all(" of the batch" in line for line in probed), probed
     # Each probing step against the next, which runs at the plan the probes chose.
     assert all(peaks.peaks[s] <= 1.05 * peaks.peaks[s + 1] for s in act.recalibration_steps if s + 1 < 8), (
-        peaks.peaks, act.recalibration_steps)
+        peaks.peaks,
+        act.recalibration_steps,
+    )
 
 
 def test_probe_rows_follow_the_batch_and_the_measured_cost():

@@ -3,10 +3,9 @@
 import lightning as L
 import pytest
 import torch
+from lightning_act import ActCompression
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from lightning_act import ActCompression
 
 
 class FrozenRegressor(L.LightningModule):
@@ -26,8 +25,14 @@ class FrozenRegressor(L.LightningModule):
 def test_a_model_without_trainable_parameters_is_named(tmp_path):
     data = TensorDataset(torch.randn(16, 8), torch.randn(16, 1))
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=1, callbacks=[ActCompression(bits=2)], default_root_dir=tmp_path,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        max_steps=1,
+        callbacks=[ActCompression(bits=2)],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     with pytest.raises(ValueError, match=r"no parameter of FrozenRegressor requires grad") as error:
         trainer.fit(FrozenRegressor(), DataLoader(data, batch_size=8))

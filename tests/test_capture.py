@@ -6,14 +6,13 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-
 from lightning_act import ActivationCapture, CompressionConfig, compress_activations
 from lightning_act.capture import OUTSIDE_MODULES
 from lightning_act.capture.records import storage_region
 from lightning_act.codecs.quant import QuantizedTensor
 from lightning_act.policy import FixedBits
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 G = 256
 
@@ -254,8 +253,7 @@ def test_a_shared_storage_run_is_stored_again_for_an_op_that_needs_more_bits():
     slots = capture.report.slots.values()
     # the linear's input, the value, and the query and key at their floor (the attention's
     # output is computed again in backward, nothing stored)
-    assert sorted(slot.bits for slot in slots if slot.op in ("linear", "scaled_dot_product_attention")) == [
-        2, 2, 8, 8]
+    assert sorted(slot.bits for slot in slots if slot.op in ("linear", "scaled_dot_product_attention")) == [2, 2, 8, 8]
     assert capture.report.counts.get("deduplicated", 0) == 0
 
 
@@ -403,7 +401,7 @@ def test_retain_graph_and_double_backward():
     with compress_activations(bits=8):
         loss = run()
     g1 = torch.autograd.grad(loss, x, retain_graph=True)[0]
-    g2, = torch.autograd.grad(loss, x, create_graph=True)
+    (g2,) = torch.autograd.grad(loss, x, create_graph=True)
     assert torch.equal(g1, g2)  # decoding twice gives the same tensor
     (gg,) = torch.autograd.grad(g2.sum(), x)
     assert rel_err(g2, g_ref) < 1e-2

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from lightning_act import ActCompression
 from lightning_act.cli import ActCLI, main, one_line
 from lightning_act.examples import PlanetoidDataModule
@@ -46,7 +45,11 @@ def run_module(*args: str, cwd: Path, timeout: float = 240) -> subprocess.Comple
     """``python -m lightning_act ARGS`` in a fresh interpreter, output captured."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(
-        [sys.executable, "-m", "lightning_act", *args], cwd=cwd, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "lightning_act", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=timeout,
     )
 
@@ -61,8 +64,10 @@ def test_every_config_has_a_run():
 
 
 # The quickstart's config in the default run; the others (2-4 s each) with the slow checks.
-@pytest.mark.parametrize("name", [name if name == "quickstart.yaml" else pytest.param(name, marks=pytest.mark.slow)
-                                  for name in sorted(CONFIG_RUNS)])
+@pytest.mark.parametrize(
+    "name",
+    [name if name == "quickstart.yaml" else pytest.param(name, marks=pytest.mark.slow) for name in sorted(CONFIG_RUNS)],
+)
 def test_config_fast_dev_run(name, in_tmp):
     data, overrides = CONFIG_RUNS[name]
     if data is not None and not (DATA / data).is_dir():
@@ -141,8 +146,13 @@ def test_quickstart_is_the_default(in_tmp, capsys):
 def test_quickstart_runs_and_prints_the_summary(tmp_path):
     # The quickstart as shipped, cut to a few small steps; `python -m lightning_act` end to end.
     result = run_module(
-        "fit", f"--config={CONFIGS / 'quickstart.yaml'}", "--trainer.max_epochs=1", "--data.batch_size=16",
-        "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1", cwd=tmp_path,
+        "fit",
+        f"--config={CONFIGS / 'quickstart.yaml'}",
+        "--trainer.max_epochs=1",
+        "--data.batch_size=16",
+        "--trainer.limit_train_batches=2",
+        "--trainer.limit_val_batches=1",
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
@@ -162,8 +172,12 @@ def test_codecs_chosen_in_yaml_show_in_the_summary(tmp_path):
     path = tmp_path / "codecs.yaml"
     path.write_text(yaml.safe_dump(config))
     result = run_module(
-        "fit", f"--config={path}", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
-        "--trainer.limit_val_batches=1", cwd=tmp_path,
+        "fit",
+        f"--config={path}",
+        "--trainer.max_epochs=1",
+        "--trainer.limit_train_batches=2",
+        "--trainer.limit_val_batches=1",
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in (result.stdout + result.stderr).splitlines() if line.strip()}

@@ -13,9 +13,6 @@ import random
 
 import pytest
 import torch
-from torch import nn
-from torch.profiler import ProfilerActivity, profile
-
 from lightning_act import ActivationCapture, CompressionConfig, ops
 from lightning_act.capture import OUTSIDE_MODULES
 from lightning_act.codecs import GroupQuantCodec
@@ -25,6 +22,9 @@ from lightning_act.codecs.pool import PoolCodec, PooledTensor
 from lightning_act.codecs.quant import QuantizedTensor
 from lightning_act.ops import reference
 from lightning_act.policy import FixedBits
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
 from tests.conftest import DTYPES, assert_same_bits
 
 
@@ -147,8 +147,7 @@ def test_division_pack_rejects_bad_arguments(device, call, message):
 
 
 def test_division_unpack_rejects_a_mismatched_lfc(device):
-    lfc, codes, stats = ops.division_pack(torch.randn(2, 16, 24, device=device), 8, 8, 2, 256, 0,
-                                                   torch.bfloat16)
+    lfc, codes, stats = ops.division_pack(torch.randn(2, 16, 24, device=device), 8, 8, 2, 256, 0, torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"lfc must have shape \[planes, 2, 4\] for 16x25 planes"):
         ops.division_unpack(lfc, codes, stats, 16, 25, 8, 8, 2, 256, torch.float32)
     with pytest.raises(RuntimeError, match="numel=1536 must be in"):
@@ -184,7 +183,13 @@ def test_division_codec_matches_its_reference(device, shape, split, dtype, gener
             *reference.division_pack(
                 x.cpu().view(planes, height, width), block_h, block_w, 2, 256, 1234, torch.bfloat16
             ),
-            height, width, block_h, block_w, 2, 256, dtype,
+            height,
+            width,
+            block_h,
+            block_w,
+            2,
+            256,
+            dtype,
         )
         assert storage_bytes(record.lfc, record.codes, record.stats) == record.nbytes
         tiles = planes * math.ceil(height / block_h) * math.ceil(width / block_w)
@@ -222,8 +227,10 @@ def test_division_beats_plain_quantization_on_smooth_maps(generator):
     quant = GroupQuantCodec(256).pack(x, 2, 0)
     division_error = (division.unpack() - x).norm() / x.norm()
     quant_error = (quant.unpack() - x).norm() / x.norm()
-    print(f"relative error: DIVISION {division_error:.4f} ({division.nbytes} B), 2-bit {quant_error:.4f} "
-          f"({quant.nbytes} B)")
+    print(
+        f"relative error: DIVISION {division_error:.4f} ({division.nbytes} B), 2-bit {quant_error:.4f} "
+        f"({quant.nbytes} B)"
+    )
     assert division_error < 0.75 * quant_error  # 0.62-0.65 over 20 seeds
     assert division.nbytes < 1.15 * quant.nbytes
 
@@ -269,8 +276,8 @@ def tile_means_float64(x: torch.Tensor, kernel_h: int, kernel_w: int) -> torch.T
     out = torch.empty_like(maps)
     for top in range(0, maps.shape[1], kernel_h):
         for left in range(0, maps.shape[2], kernel_w):
-            tile = maps[:, top:top + kernel_h, left:left + kernel_w]
-            out[:, top:top + kernel_h, left:left + kernel_w] = tile.mean(dim=(1, 2), keepdim=True)
+            tile = maps[:, top : top + kernel_h, left : left + kernel_w]
+            out[:, top : top + kernel_h, left : left + kernel_w] = tile.mean(dim=(1, 2), keepdim=True)
     return out.view(x.shape)
 
 
@@ -356,8 +363,9 @@ def test_sign_mask_codec_gives_relu_the_exact_gradient(device, dtype, generator)
     grad = torch.randn(x.shape, generator=generator).to(device=device, dtype=dtype)
     (expected,) = torch.autograd.grad(torch.relu(x), x, grad)
     codec = SignMaskCodec()
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: codec.pack(t.detach().contiguous(), 2, 0),
-                                                  lambda record: record.unpack()):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: codec.pack(t.detach().contiguous(), 2, 0), lambda record: record.unpack()
+    ):
         out = torch.relu(x)
     (got,) = torch.autograd.grad(out, x, grad)
     assert torch.equal(got, expected)
@@ -503,8 +511,11 @@ def test_piecewise_activations_at_two_bits(inplace, generator):
             loss = (head(hidden) * weights).sum()
         return torch.autograd.grad(loss, first.weight)[0]
 
-    for activation in (nn.functional.relu6, nn.functional.hardsigmoid,
-                       lambda h, inplace: nn.functional.hardtanh(h, -0.5, 2.0, inplace=inplace)):
+    for activation in (
+        nn.functional.relu6,
+        nn.functional.hardsigmoid,
+        lambda h, inplace: nn.functional.hardtanh(h, -0.5, 2.0, inplace=inplace),
+    ):
         capture = ActivationCapture(CompressionConfig(bits=2, min_numel=1))
         assert torch.equal(grads(capture, activation), grads(None, activation))
         assert capture.report.counts["lossless"] == 1
@@ -580,8 +591,10 @@ def test_resnet50_at_224_keeps_11x_less(generator):
     uncompressed = kept()
     capture = ActivationCapture(CompressionConfig(bits=2), model)
     compressed = kept(capture)
-    print(f"\nResNet-50 224x224 batch 2: {uncompressed / 2**20:.1f} -> {compressed / 2**20:.1f} MiB kept, "
-          f"{uncompressed / compressed:.2f}x measured, {capture.report.ratio:.2f}x reported")
+    print(
+        f"\nResNet-50 224x224 batch 2: {uncompressed / 2**20:.1f} -> {compressed / 2**20:.1f} MiB kept, "
+        f"{uncompressed / compressed:.2f}x measured, {capture.report.ratio:.2f}x reported"
+    )
     assert uncompressed / compressed >= 11.5
     assert capture.report.ratio == pytest.approx(uncompressed / compressed, rel=0.01)
     assert capture.report.modules["maxpool"].codecs == {"index"}

@@ -15,15 +15,15 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch._dynamo.utils import counters
-from torch.utils.data import DataLoader
-
 from lightning_act import ActCompression, ActivationCapture, CompressionConfig, compress_activations
 from lightning_act.backward_reads import Use, graph_reads
 from lightning_act.capture import OUTSIDE_MODULES
 from lightning_act.capture.compiled import COMPILED_REGION, Plan
 from lightning_act.policy import EXACT, BitPolicy, FixedBits
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.utils.data import DataLoader
+
 from tests.test_reliability import MLP, act_of, blobs, rel_err, seeded, trainer
 
 
@@ -313,8 +313,9 @@ def test_a_batchnorm_input_the_partition_centres_in_the_forward_is_stored_as_the
     class MixerBlock(nn.Module):
         def __init__(self, width: int = 32):
             super().__init__()
-            self.spatial = nn.Sequential(nn.Conv2d(width, width, 5, padding=2, groups=width), nn.GELU(),
-                                         nn.BatchNorm2d(width))
+            self.spatial = nn.Sequential(
+                nn.Conv2d(width, width, 5, padding=2, groups=width), nn.GELU(), nn.BatchNorm2d(width)
+            )
             self.channels = nn.Sequential(nn.Conv2d(width, width, 1), nn.GELU(), nn.BatchNorm2d(width))
             self.head = nn.Linear(width, 10)
 
@@ -733,7 +734,10 @@ def test_the_graph_ops_c_side_stores_indices_as_python_does(nodes):
         pytest.skip("the CPU kernels did not build")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    x, edge_index = torch.randn(nodes, 16), torch.randint(0, nodes, (2, 500), generator=torch.Generator().manual_seed(1))
+    x, edge_index = (
+        torch.randn(nodes, 16),
+        torch.randint(0, nodes, (2, 500), generator=torch.Generator().manual_seed(1)),
+    )
 
     def train(native: bool):
         NativeSaves.enabled = native
@@ -819,6 +823,7 @@ def test_the_adaptive_allocation_reaches_a_compiled_graph_compiled_again_only_wh
     At a budget of 3 it moves a tensor from the default 2 bits to 4; at 2 it gives every
     tensor what the default gave (2 bits, or its floor): the graph stores that already, and
     is not compiled again."""
+
     class WholeBatches(CompiledInside):  # batches of 256: the probes need room its steps leave
         def train_dataloader(self):
             return DataLoader(blobs(), batch_size=256)
@@ -866,6 +871,7 @@ def test_two_instances_of_a_users_policy_class_each_get_graphs_planned_by_their_
     for slot in stored[0]:
         assert stored[0][slot] != stored[1][slot], slot  # each instance's own bits, opposite
 
+
 def test_pack_is_kept_out_of_cuda_graphs():
     """A replayed CUDA graph runs no Python: the seed would repeat (the same noise every step)
     and the report would miss the step. Inductor keeps ops with this tag out of its graphs."""
@@ -894,14 +900,21 @@ print(capture.report.counts["compressed"], counters["aot_autograd"]["autograd_ca
 
 @pytest.mark.slow
 def test_a_new_process_loads_the_graph_from_the_aot_autograd_cache(tmp_path):
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
-           "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
-    runs = [subprocess.run([sys.executable, "-c", _CACHED_RUN], env=env, capture_output=True, text=True,
-                           timeout=600) for _ in range(2)]
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path),
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+    }
+    runs = [
+        subprocess.run([sys.executable, "-c", _CACHED_RUN], env=env, capture_output=True, text=True, timeout=600)
+        for _ in range(2)
+    ]
     for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]
     (first_compressed, first_hits), (second_compressed, second_hits) = (
-        map(int, run.stdout.split()[-2:]) for run in runs)
+        map(int, run.stdout.split()[-2:]) for run in runs
+    )
     assert first_compressed == second_compressed >= 1
     assert first_hits == 0 and second_hits == 1
 
@@ -930,8 +943,9 @@ def test_a_batchnorm_input_in_a_graph_gets_groups_within_its_channels(side):
     their 1 / std (compiled RepVGG-A0: 8-bit error 0.098); groups stay within a channel, of
     one sample's map or, where that is too small, of every sample's."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(64, 64, 1), nn.ReLU(), nn.BatchNorm2d(64), nn.Flatten(),
-                          nn.Linear(64 * side * side, 10))
+    model = nn.Sequential(
+        nn.Conv2d(64, 64, 1), nn.ReLU(), nn.BatchNorm2d(64), nn.Flatten(), nn.Linear(64 * side * side, 10)
+    )
     with torch.no_grad():
         model[0].weight.copy_(torch.eye(64).view(64, 64, 1, 1))
         model[0].bias.zero_()
@@ -1001,8 +1015,9 @@ def _compiled_model(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
     if name == "vit":  # saves the class token x[:, 0], a view with gaps
-        model = torchvision.models.VisionTransformer(image_size=32, patch_size=4, num_layers=2, num_heads=4,
-                                                     hidden_dim=192, mlp_dim=384, num_classes=10)
+        model = torchvision.models.VisionTransformer(
+            image_size=32, patch_size=4, num_layers=2, num_heads=4, hidden_dim=192, mlp_dim=384, num_classes=10
+        )
         model.heads.head.reset_parameters()  # torchvision's zero head passes no gradient to the encoder
         return model, torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
     if name == "resnet":
@@ -1083,8 +1098,15 @@ def test_the_graph_ops_c_side_packs_as_python_does_with_no_python_after_the_firs
                 loss = F.cross_entropy(run(x), y)
             loss.backward()
             report = capture.report
-            results.append((grads_of(model), dict(report.counts), report.saved_bytes, report.stored_bytes,
-                            {name: m.tensors for name, m in report.modules.items()}))
+            results.append(
+                (
+                    grads_of(model),
+                    dict(report.counts),
+                    report.saved_bytes,
+                    report.stored_bytes,
+                    {name: m.tensors for name, m in report.modules.items()},
+                )
+            )
 
         for seed in (1, 2):
             one_step(seed)
@@ -1336,9 +1358,15 @@ def mobile_block() -> nn.Sequential:
     """Convolutions, BatchNorm and the activations that follow it in mobile CNNs (Hardswish,
     SiLU): the compiled backward recomputes the activation from BatchNorm's input."""
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.Hardswish(),
-        nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.SiLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+        nn.Conv2d(3, 16, 3, padding=1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.Hardswish(),
+        nn.Conv2d(16, 16, 3, padding=1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.SiLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
     )
 
 
@@ -1368,7 +1396,8 @@ class MaxAggregation(nn.Module):
     def forward(self, x):
         messages = self.message(x)[self.source]
         pooled = messages.new_zeros(300, 32).scatter_reduce(
-            0, self.target[:, None].expand(-1, 32), messages, "amax", include_self=False)
+            0, self.target[:, None].expand(-1, 32), messages, "amax", include_self=False
+        )
         return self.head(pooled * pooled)
 
 
@@ -1402,8 +1431,10 @@ def test_a_relu_of_gathered_features_a_compiled_backward_recomputes_keeps_its_ma
         return grads_of(model)
 
     exact = gradient(model)
-    errors = [rel_err(gradient(run, ActivationCapture(CompressionConfig(bits=8), model)), exact)
-              for run in (model, torch.compile(model, backend="inductor"))]
+    errors = [
+        rel_err(gradient(run, ActivationCapture(CompressionConfig(bits=8), model)), exact)
+        for run in (model, torch.compile(model, backend="inductor"))
+    ]
     assert errors[1] < 2 * errors[0] + 1e-4, errors
 
 
@@ -1630,13 +1661,13 @@ def test_a_decomposed_safe_softmax_reads_its_rows_from_its_divisor():
     ``where(row all masked, zeros, exp / sum)``, every node marked as the softmax. Its rows are
     the ones the divisor reduced: read off the zeros' size (or as one value), a compiled HF
     GPT-2 kept its attention probabilities exact and stored 1.34x eager's bytes."""
+    from lightning_act.capture.compiled import softmax_row
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from lightning_act.capture.compiled import softmax_row
-
-    graph = make_fx(lambda x: torch.ops.aten._safe_softmax(x, -1), decomposition_table=select_decomp_table(),
-                    tracing_mode="fake")(torch.randn(4, 2, 48, 64)).graph
+    graph = make_fx(
+        lambda x: torch.ops.aten._safe_softmax(x, -1), decomposition_table=select_decomp_table(), tracing_mode="fake"
+    )(torch.randn(4, 2, 48, 64)).graph
     for node in graph.nodes:
         if node.op == "call_function":
             node.meta["original_aten"] = torch.ops.aten._safe_softmax.default  # as AOT autograd marks them
@@ -1648,9 +1679,8 @@ def test_a_decomposed_safe_softmax_reads_its_rows_from_its_divisor():
 def read_in_a_compiled_backward(backward, *inputs, nonnegative=(), inputs_of_forward=()):
     """How a compiled backward written as ``backward(saves..., tangent)`` (traced to aten)
     reads each save: ``nonnegative`` and ``inputs_of_forward`` name saves by position."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     from lightning_act.backward_reads import Saves, classify
+    from torch.fx.experimental.proxy_tensor import make_fx
 
     graph = make_fx(backward)(*inputs).graph
     *saves, tangent = [n for n in graph.nodes if n.op == "placeholder"]
@@ -1689,8 +1719,9 @@ def test_an_exponent_that_subtracts_another_save_is_singular_and_one_that_adds_a
     assert [r.use for r in reads] == [Use.SINGULAR, Use.SINGULAR]
     reads = read_in_a_compiled_backward(lambda x, lse, g: g * (x - lse).exp(), x, lse, g)
     assert [r.use for r in reads] == [Use.SMOOTH, Use.SINGULAR]
-    read_x, read_bias = read_in_a_compiled_backward(lambda x, b, g: g * (x + b).exp(), x, bias, g,
-                                                    inputs_of_forward=[1])
+    read_x, read_bias = read_in_a_compiled_backward(
+        lambda x, b, g: g * (x + b).exp(), x, bias, g, inputs_of_forward=[1]
+    )
     assert read_x.use is Use.SMOOTH
     assert read_bias.use is Use.SINGULAR  # read from the parameter's side, the activation counts
     read_x, read_a = read_in_a_compiled_backward(lambda x, a, g: g * (x * a).exp(), x, torch.randn(16, 64), g)
@@ -1701,9 +1732,8 @@ def test_a_product_of_three_recomputed_values_is_read_at_the_nonlinear_floor_in_
     """A compiled backward recomputes a state space block's step sizes, inputs and gates from
     one projection, and multiplies them: degree 3 in that save, each factor read smoothly.
     One op's backward reading a save cubed (a normalisation's 1 / std) keeps it exact."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     from lightning_act.backward_reads import Saves, classify
+    from torch.fx.experimental.proxy_tensor import make_fx
 
     def backward(h, g):
         step, inputs, gate = F.softplus(h[:, :16]), h[:, 16:32], torch.sigmoid(h[:, 32:])

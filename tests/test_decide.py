@@ -6,13 +6,12 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from lightning_act import ActivationCapture, CompressionConfig, compress_activations
 from lightning_act.capture.decide import Decision, Kind, decide, read_of, source_parameter
 from lightning_act.capture.records import Layout
 from lightning_act.codecs import GroupQuantCodec
 from lightning_act.optrack import OpTracker, TrackedCall
+from torch import nn
 
 
 def call(name, *args, **kwargs):
@@ -347,7 +346,8 @@ def test_the_graph_ops_c_side_restores_a_derivative_as_python_does_in_under_twic
     inverse = substitute.inverse_grid(x.device)
     codes, width = ops.every_code(bits, x.device)
     torch.ops.lightning_act.graph_native_derivative_decoder(
-        plan, bits, 256, codes, width, inverse.low, inverse.step, inverse.starts, inverse.slopes)
+        plan, bits, 256, codes, width, inverse.low, inverse.step, inverse.starts, inverse.slopes
+    )
     before = torch.ops.lightning_act.live_memory_read()[0]
     torch.ops.lightning_act.live_memory_reset_peak()
     restored = torch.ops.lightning_act.unpack_saved(parts, [x.numel()], [1], dtype, plan)
@@ -444,8 +444,11 @@ def test_a_step_that_repeats_its_calls_repeats_no_decision_work(monkeypatch):
 
     decided_afresh = []
     original = decide_module._decide_from_call
-    monkeypatch.setattr(decide_module, "_decide_from_call",
-                        lambda t, c, *rest: decided_afresh.append(c and c.name) or original(t, c, *rest))
+    monkeypatch.setattr(
+        decide_module,
+        "_decide_from_call",
+        lambda t, c, *rest: decided_afresh.append(c and c.name) or original(t, c, *rest),
+    )
     model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
     capture = ActivationCapture(CompressionConfig(bits=2, min_numel=1), model)
     reports = []
@@ -873,17 +876,29 @@ def _gradient_with_and_without(forward, x: torch.Tensor):
 _INDEX = torch.randint(0, 50, (400,), generator=torch.Generator().manual_seed(0))[:, None].expand(400, 16)
 
 
-@pytest.mark.parametrize("reduce", [
-    lambda v: torch.zeros(50, 16).scatter_reduce(0, _INDEX, v, "amax", include_self=False),
-    lambda v: torch.zeros(50, 16).scatter_reduce_(0, _INDEX, v, "amin", include_self=False),
-    lambda v: torch.zeros(50, 16).scatter_reduce(0, _INDEX, v, "amax"),
-    lambda v: torch.amax(v, 1),
-    lambda v: torch.amax(v, -1, keepdim=True),
-    lambda v: torch.amin(v.view(20, 20, 16), (0, 2)),
-    lambda v: torch.max(v),
-    lambda v: torch.min(v[4:]),  # rows past the NaN
-], ids=["scatter_amax", "scatter_amin_in_place", "scatter_amax_with_self", "amax", "amax_keepdim", "amin_dims",
-        "max_of_all_nan", "min_of_all"])
+@pytest.mark.parametrize(
+    "reduce",
+    [
+        lambda v: torch.zeros(50, 16).scatter_reduce(0, _INDEX, v, "amax", include_self=False),
+        lambda v: torch.zeros(50, 16).scatter_reduce_(0, _INDEX, v, "amin", include_self=False),
+        lambda v: torch.zeros(50, 16).scatter_reduce(0, _INDEX, v, "amax"),
+        lambda v: torch.amax(v, 1),
+        lambda v: torch.amax(v, -1, keepdim=True),
+        lambda v: torch.amin(v.view(20, 20, 16), (0, 2)),
+        lambda v: torch.max(v),
+        lambda v: torch.min(v[4:]),  # rows past the NaN
+    ],
+    ids=[
+        "scatter_amax",
+        "scatter_amin_in_place",
+        "scatter_amax_with_self",
+        "amax",
+        "amax_keepdim",
+        "amin_dims",
+        "max_of_all_nan",
+        "min_of_all",
+    ],
+)
 def test_a_tensor_backward_only_compares_with_a_reduction_is_stored_as_the_outcome(reduce):
     """Backward tests ``x == result`` (gathered by the index, or with the reduced dimensions
     put back), and for ``max()`` also ``isnan(x) & isnan(result)`` (on a CPU ``isnan(x)``
@@ -964,8 +979,9 @@ def _scale_derivative(ctx, grad):
     return (*torch.ops.lightning_act_test.scale_backward(grad, *ctx.saved_tensors, ctx.crash), None)
 
 
-torch.library.register_autograd("lightning_act_test::scale", _scale_derivative, setup_context=_scale_setup,
-                                lib=_probed_library)
+torch.library.register_autograd(
+    "lightning_act_test::scale", _scale_derivative, setup_context=_scale_setup, lib=_probed_library
+)
 
 
 @pytest.mark.parametrize("crash", [False, True])
@@ -982,9 +998,15 @@ def test_an_op_outside_aten_is_measured_in_a_forked_process(crash):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("compare", [
-    lambda v: v.clamp(min=1e-5), lambda v: v.clamp(-1, 1), lambda v: F.threshold(v, 0.5, 0.0),
-], ids=["clamp_min", "clamp_interval", "threshold"])
+@pytest.mark.parametrize(
+    "compare",
+    [
+        lambda v: v.clamp(min=1e-5),
+        lambda v: v.clamp(-1, 1),
+        lambda v: F.threshold(v, 0.5, 0.0),
+    ],
+    ids=["clamp_min", "clamp_interval", "threshold"],
+)
 def test_a_tensor_backward_only_compares_with_constants_is_stored_as_its_cells(compare, dtype):
     """The cell between the constants each value falls in, equality and NaN included, gives
     backward the same comparisons: the gradient bit for bit, in 2 or 4 bits per value."""

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning_act import ActCompression
 from torch.utils.data import DataLoader
 
-from lightning_act import ActCompression
 from tests.test_callback import SmallCNN, make_images
 
 
@@ -34,14 +34,16 @@ class SameBitsOnEveryRank(Callback):
 
 
 @pytest.mark.slow  # two spawned processes, each importing torch and Lightning
-@pytest.mark.parametrize("policy", [{"budget": 2.0, "warmup_steps": 1}, {"memory_target": "1GiB"}],
-                         ids=["budget", "memory_target"])
+@pytest.mark.parametrize(
+    "policy", [{"budget": 2.0, "warmup_steps": 1}, {"memory_target": "1GiB"}], ids=["budget", "memory_target"]
+)
 def test_ddp_ranks_share_one_allocation(tmp_path, policy):
     """A budget's recalibrations and a memory target's moves (on the highest peak of the
     ranks) give every rank the same bits."""
     torch.manual_seed(0)
-    callback = ActCompression(estimator="gradient", calibration_steps=1, recalibrate_every_n_steps=3, min_numel=256,
-                              **policy)
+    callback = ActCompression(
+        estimator="gradient", calibration_steps=1, recalibrate_every_n_steps=3, min_numel=256, **policy
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from lightning_act.ops import extension
 
 SOURCES = [extension._SOURCE_DIR / name for name in extension._SOURCES["cpu"]]
@@ -134,7 +133,7 @@ def test_the_toolkit_probe_stays_quiet_on_machines_without_gpu(monkeypatch, tmp_
         assert any("No CUDA runtime is found" in record.getMessage() for record in caplog.records)
         caplog.clear()
         monkeypatch.delitem(sys.modules, "torch.utils.cpp_extension")
-        assert extension._cpp_extension().CUDA_HOME == str(tmp_path)
+        assert str(tmp_path) == extension._cpp_extension().CUDA_HOME
     finally:
         torch_logger.removeHandler(caplog.handler)
     assert not [record for record in caplog.records if "No CUDA runtime" in record.getMessage()]

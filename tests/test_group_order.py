@@ -2,14 +2,13 @@
 
 import pytest
 import torch
-from torch import nn
-from torch._dynamo.utils import counters
-
 from lightning_act import ActivationCapture, CompressionConfig, compress_activations, ops
 from lightning_act.capture.group_order import GroupOrders, grouped_pieces, range_energy
 from lightning_act.codecs import quant
 from lightning_act.ops.reference import rounding_variance
 from lightning_act.policy import FixedBits
+from torch import nn
+from torch._dynamo.utils import counters
 
 
 class Projection(nn.Module):
@@ -197,7 +196,7 @@ def test_a_survey_read_in_pieces_reads_the_groups_the_whole_reorder_holds(genera
         if axis is None:
             whole_reorder = x.reshape(-1)
         else:
-            whole_reorder = x.view(-1, x.shape[axis], x.shape[axis + 1:].numel()).transpose(1, 2).reshape(-1)
+            whole_reorder = x.view(-1, x.shape[axis], x.shape[axis + 1 :].numel()).transpose(1, 2).reshape(-1)
         expected = whole_reorder[: whole_reorder.numel() // 8 * 8].view(-1, 8)
         assert torch.equal(torch.cat(list(grouped_pieces(x, axis, 8, piece))), expected)
 

@@ -27,8 +27,19 @@ def quick_run(tmp_path_factory):
     if not (DATA / "planetoid" / "Cora" / "raw").is_dir():
         pytest.skip(f"needs Cora in {DATA}")
     out = tmp_path_factory.mktemp("harness")
-    command = [sys.executable, str(REPO / "benchmarks" / "harness.py"), "--suite", "cpu", "--quick",
-               "--models", *MODELS, "--data-dir", str(DATA), "--out", str(out)]
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "harness.py"),
+        "--suite",
+        "cpu",
+        "--quick",
+        "--models",
+        *MODELS,
+        "--data-dir",
+        str(DATA),
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     if done.returncode:
         pytest.fail(f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

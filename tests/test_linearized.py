@@ -3,11 +3,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from lightning_act import ActivationCapture, CompressionConfig
 from lightning_act.policy import linearized
 from lightning_act.policy.estimators import probe_sensitivities
+from torch import nn
 
 
 class Deep(nn.Module):

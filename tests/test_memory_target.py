@@ -8,14 +8,13 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import BatchSizeFinder
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
 from lightning_act import ActCompression, ActivationCapture, CompressionConfig, MemoryTarget, MemoryTargetError
 from lightning_act.ops import ensure_kernels, loaded_kernels
 from lightning_act.policy import EXACT, SlotInfo, TargetBits, parse_memory_target
 from lightning_act.policy.allocation import storage_bits
 from lightning_act.policy.memory_target import AIM, COMPILED_LEAST_SLOPE, COMPILED_PLANS, Verdict
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 MIB = 2**20
 
@@ -55,8 +54,10 @@ def test_callback_rejects_a_target_with_bits():
 
 
 def _slots(count=4, numel=1 << 16):
-    return {f"m{i}#0": SlotInfo(module=f"m{i}", shape=(numel,), numel=numel, groups=numel // 256, element_bits=32)
-            for i in range(count)}
+    return {
+        f"m{i}#0": SlotInfo(module=f"m{i}", shape=(numel,), numel=numel, groups=numel // 256, element_bits=32)
+        for i in range(count)
+    }
 
 
 def _storage_bytes(policy, slots):
@@ -216,7 +217,7 @@ def test_a_compiled_model_over_the_target_after_a_move_goes_back_to_the_plan_tha
     assert len(over) == 1, peaks  # the move that crossed the level, once
     fitted = peaks[over[0] - 1]
     assert peaks[over[0] + 1] == fitted  # straight back to the plan before it
-    assert min(peaks[over[0] + 1:]) >= fitted
+    assert min(peaks[over[0] + 1 :]) >= fitted
     assert policy.plans_left >= COMPILED_PLANS - len(plans)  # the way back used no plan
 
     policy = TargetBits(base + 200_000)  # no plan left, then over: it still moves down
@@ -272,7 +273,7 @@ def test_a_recalibration_moves_bits_between_tensors_not_storage_up():
     policy.update({}, slots)
     storage = _storage_bytes(policy, slots)
     assert policy.observe(int(AIM * policy.target_bytes) - 1024, slots) is Verdict.FITS
-    noisier = {k: {b: (10.0 if k.startswith("m0") else 1.0) * 2.0 ** -b for b in (1, 2, 4, 8)} for k in slots}
+    noisier = {k: {b: (10.0 if k.startswith("m0") else 1.0) * 2.0**-b for b in (1, 2, 4, 8)} for k in slots}
     policy.update(noisier, slots)  # a recalibration
     assert _storage_bytes(policy, slots) <= storage
     assert policy.observe(int(0.5 * policy.target_bytes), slots) is Verdict.MOVE
@@ -356,8 +357,14 @@ class _Peaks(L.Callback):
 def _fit(act, steps, module=None, extra=()):
     gc.collect()  # earlier tests' cycles would be live tensors in this fit's peaks
     peaks = _Peaks(act)
-    trainer = L.Trainer(max_steps=steps, callbacks=[act, peaks, *extra], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=steps,
+        callbacks=[act, peaks, *extra],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module or _Mlp())
     return peaks.peaks
 
@@ -410,8 +417,14 @@ def test_a_compiled_model_moves_from_its_second_step_and_compiles_only_new_plans
     module.net = torch.compile(module.net)
     act = ActCompression(memory_target=target, min_numel=1024)  # probes at the second step: the floor's plan
     steps = _Compiled(act)
-    trainer = L.Trainer(max_steps=6, callbacks=[act, steps], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=6,
+        callbacks=[act, steps],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module)
     # The second step measures, the third probes within the room it measured, then the plan moves.
     assert steps.compiled[:4] == [True, False, False, True], steps.compiled
@@ -422,8 +435,11 @@ def test_a_compiled_model_moves_from_its_second_step_and_compiles_only_new_plans
 @pytest.mark.slow  # 2 s
 def test_callback_names_the_least_reachable_peak():
     _live_counter()
-    with pytest.raises(MemoryTargetError, match=r"cannot be met at this batch.* step 1 peaked.*least reachable "
-                                                 r"peak.*parameters"):
+    with pytest.raises(
+        MemoryTargetError,
+        match=r"cannot be met at this batch.* step 1 peaked.*least reachable "
+        r"peak.*parameters",
+    ):
         _fit(ActCompression(memory_target="1MiB", estimator="gradient"), 3)
 
 
@@ -520,8 +536,9 @@ def test_an_unreachable_target_is_named_at_the_first_step_with_the_state_it_allo
 
     gc.collect()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    (first, lasting), (second, _) = run(MemoryTarget(model, 10**12, optimizers=[optimizer], rules={"*": 1},
-                                                     min_numel=1024), 2, optimizer)
+    (first, lasting), (second, _) = run(
+        MemoryTarget(model, 10**12, optimizers=[optimizer], rules={"*": 1}, min_numel=1024), 2, optimizer
+    )
     state = sum(v.nbytes for s in optimizer.state.values() for v in s.values())
     # A lower bound of the second step's peak (which varies by a few hundred KiB between
     # runs here), that holds the new state.

@@ -24,7 +24,6 @@ import math
 
 import pytest
 import torch
-
 from benchmarks.model_libraries import (
     CASES,
     DATA,

@@ -2,7 +2,6 @@
 
 import matplotlib
 import matplotlib.pyplot as plt
-
 from lightning_act.monitor import bits_heatmap
 
 

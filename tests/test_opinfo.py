@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("expecttest")  # the OpInfo database imports it
-from benchmarks.opinfo_sweep import ERROR_AT_8_BITS, EXEMPT_AT_8_BITS, case_id, differentiable_ops, sweep  # noqa: E402
+from benchmarks.opinfo_sweep import ERROR_AT_8_BITS, EXEMPT_AT_8_BITS, case_id, differentiable_ops, sweep
 
 
 def check(op, bits: int) -> None:
@@ -29,12 +29,42 @@ def check(op, bits: int) -> None:
 # domain edge, a divisor or log input not floored, a dtype, layout or view no codec takes, a
 # softmax over rows too short for groups of their own.
 _BROKE_A_LIST = {
-    "scatter_reduce", "aminmax", "norm", "asin", "atanh", "erfinv", "ctc_loss", "masked.log_softmax",
-    "masked.logaddexp", "logcumsumexp", "amax", "amin", "max", "min", "linalg.vector_norm", "softmax",
-    "float_power", "as_strided", "addcdiv", "log1p", "nn.functional.normalize", "corrcoef", "cumprod",
-    "nn.functional.grid_sample", "nn.functional.scaled_dot_product_attention", "lgamma", "digamma",
-    "polygamma", "to_sparse", "nn.functional.silu", "nn.functional.gelu", "nn.functional.mish",
-    "nn.functional.hardswish", "nn.functional.elu", "masked.softmin", "nn.functional.multi_head_attention_forward",
+    "scatter_reduce",
+    "aminmax",
+    "norm",
+    "asin",
+    "atanh",
+    "erfinv",
+    "ctc_loss",
+    "masked.log_softmax",
+    "masked.logaddexp",
+    "logcumsumexp",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "linalg.vector_norm",
+    "softmax",
+    "float_power",
+    "as_strided",
+    "addcdiv",
+    "log1p",
+    "nn.functional.normalize",
+    "corrcoef",
+    "cumprod",
+    "nn.functional.grid_sample",
+    "nn.functional.scaled_dot_product_attention",
+    "lgamma",
+    "digamma",
+    "polygamma",
+    "to_sparse",
+    "nn.functional.silu",
+    "nn.functional.gelu",
+    "nn.functional.mish",
+    "nn.functional.hardswish",
+    "nn.functional.elu",
+    "masked.softmin",
+    "nn.functional.multi_head_attention_forward",
 }
 _ALL = differentiable_ops()
 _LISTED = [op for op in _ALL if op.name in _BROKE_A_LIST]

@@ -10,9 +10,9 @@ import warnings
 
 import pytest
 import torch
-
 from lightning_act import ops
 from lightning_act.ops import extension, layout, reference
+
 from tests.conftest import DTYPES, assert_same_bits
 
 BITS = (1, 2, 4, 8)
@@ -72,8 +72,9 @@ def check_against_reference(
     matrix = x.shape[-2:] if column_major else (0, 0)
     for dtype in {x.dtype, torch.float32}:
         decoded = ops.unpack_dequantize(codes, stats, bits, group_size, x.numel(), dtype, *matrix)
-        expected = reference.unpack_dequantize(expected_codes, expected_stats, bits, group_size, x.numel(), dtype,
-                                               *matrix)
+        expected = reference.unpack_dequantize(
+            expected_codes, expected_stats, bits, group_size, x.numel(), dtype, *matrix
+        )
         assert_same_bits(decoded, expected, f"decoded as {dtype} ({case})")
 
 
@@ -120,8 +121,20 @@ def test_column_major_matches_reference_bit_for_bit(device, dtype, bits, generat
     kernel's tiles hold, with groups that end inside a tile, across one or across matrices,
     matrices so tall that a tile holds fewer columns, and rows so long (512 values or more)
     that a tile takes 64 columns, the last tile fewer."""
-    shapes = [(1, 9), (9, 1), (5, 7, 11), (3, 128, 40), (2, 300, 3), (13, 67), (4, 2, 64, 33), (2, 64, 520),
-              (3, 100, 70), (4500, 20), (2, 300, 1100), (70, 1030)]
+    shapes = [
+        (1, 9),
+        (9, 1),
+        (5, 7, 11),
+        (3, 128, 40),
+        (2, 300, 3),
+        (13, 67),
+        (4, 2, 64, 33),
+        (2, 64, 520),
+        (3, 100, 70),
+        (4500, 20),
+        (2, 300, 1100),
+        (70, 1030),
+    ]
     for group_size in (8, 64, 256):
         for shape in shapes:
             x = random_input(torch.Size(shape).numel(), dtype, generator).view(shape)
@@ -135,7 +148,9 @@ def test_column_major_reads_the_transposed_order(device, generator):
     x = random_input(6 * 50 * 24, torch.float32, generator, nonfinite=False).view(6, 50, 24).to(device)
     codes, stats = ops.quantize_pack(x, 4, 64, 3, column_major=True)
     transposed_codes, transposed_stats = ops.quantize_pack(x.transpose(1, 2).contiguous(), 4, 64, 3)
-    assert torch.equal(codes, transposed_codes) and torch.equal(stats.view(torch.int16), transposed_stats.view(torch.int16))
+    assert torch.equal(codes, transposed_codes) and torch.equal(
+        stats.view(torch.int16), transposed_stats.view(torch.int16)
+    )
     decoded = ops.unpack_dequantize(codes, stats, 4, 64, x.numel(), torch.float32, 50, 24).view(x.shape)
     plain = ops.unpack_dequantize(transposed_codes, transposed_stats, 4, 64, x.numel(), torch.float32)
     assert torch.equal(decoded, plain.view(6, 24, 50).transpose(1, 2))
@@ -229,11 +244,17 @@ def test_lookup_levels_reads_each_value_from_its_groups_row_by_its_code(device, 
         codes, stats = ops.quantize_pack(x, bits, group_size, 17)
         levels = torch.randn(stats.shape[0], 1 << bits, generator=generator).to(dtype).to(device)
         case = f"dtype={dtype} bits={bits} group_size={group_size} numel={numel}"
-        assert_same_bits(ops.lookup_levels(codes, levels, bits, group_size, numel),
-                         reference.lookup_levels(codes.cpu(), levels.cpu(), bits, group_size, numel), case)
+        assert_same_bits(
+            ops.lookup_levels(codes, levels, bits, group_size, numel),
+            reference.lookup_levels(codes.cpu(), levels.cpu(), bits, group_size, numel),
+            case,
+        )
         decoded_levels = ops.group_levels(stats, bits, dtype).contiguous()
-        assert_same_bits(ops.lookup_levels(codes, decoded_levels, bits, group_size, numel),
-                         ops.unpack_dequantize(codes, stats, bits, group_size, numel, dtype), case)
+        assert_same_bits(
+            ops.lookup_levels(codes, decoded_levels, bits, group_size, numel),
+            ops.unpack_dequantize(codes, stats, bits, group_size, numel, dtype),
+            case,
+        )
 
 
 def test_lookup_levels_rejects_bad_arguments(device):
@@ -261,8 +282,7 @@ def test_opcheck(device, dtype, generator):
     matrices = x.view(8, 125)
     torch.library.opcheck(torch.ops.lightning_act.quantize_pack.default, (matrices, 2, 64, 5, True))
     codes, stats = ops.quantize_pack(matrices, 2, 64, 5, column_major=True)
-    torch.library.opcheck(torch.ops.lightning_act.unpack_dequantize.default,
-                          (codes, stats, 2, 64, 1000, dtype, 8, 125))
+    torch.library.opcheck(torch.ops.lightning_act.unpack_dequantize.default, (codes, stats, 2, 64, 1000, dtype, 8, 125))
 
 
 def test_cpu_kernels_are_loaded():
@@ -371,13 +391,24 @@ def test_bit_fields_place_each_code_where_the_layout_says(bits, planar, generato
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda x: reference.quantize_pack(x, 3, 256, 0), "quantize_pack: bits=3 is not supported; allowed: 1, 2, 4, 8"),
+        (
+            lambda x: reference.quantize_pack(x, 3, 256, 0),
+            "quantize_pack: bits=3 is not supported; allowed: 1, 2, 4, 8",
+        ),
         (lambda x: reference.quantize_pack(x, 2, 96, 0), "group_size=96 must be a power of two in \\[8, 65536\\]"),
-        (lambda x: reference.quantize_pack(x.double(), 2, 256, 0), "input dtype is torch.float64; allowed: torch.float32"),
+        (
+            lambda x: reference.quantize_pack(x.double(), 2, 256, 0),
+            "input dtype is torch.float64; allowed: torch.float32",
+        ),
         (lambda x: reference.quantize_pack(x.view(32, 32).t(), 2, 256, 0), "input must be contiguous"),
-        (lambda x: reference.unpack_dequantize(*reference.quantize_pack(x, 2, 256, 0), 2, 256, 1025, torch.float32),
-         "numel=1025 must be in \\[0, 1024\\]"),
-        (lambda x: reference.division_pack(x.view(4, 16, 16), 0, 8, 2, 256, 0, torch.bfloat16), "block_h=0 must be >= 1"),
+        (
+            lambda x: reference.unpack_dequantize(*reference.quantize_pack(x, 2, 256, 0), 2, 256, 1025, torch.float32),
+            "numel=1025 must be in \\[0, 1024\\]",
+        ),
+        (
+            lambda x: reference.division_pack(x.view(4, 16, 16), 0, 8, 2, 256, 0, torch.bfloat16),
+            "block_h=0 must be >= 1",
+        ),
         (lambda x: reference.division_pack(x.view(4, 16, 16), 8, 8, 2, 256, 0, torch.int8), "lfc_dtype is torch.int8"),
     ],
 )

@@ -5,12 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
-
 from lightning_act.codecs.exact import IndexCodec
 from lightning_act.optrack import OpTracker, TrackedCall, saved_index_range
+from torch import nn
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 
 def saves_by_op(forward, tracker: OpTracker) -> list[tuple[str | None, torch.dtype, tuple]]:

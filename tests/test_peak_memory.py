@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning_act.monitor import StepPeakMemory
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
-
-from lightning_act.monitor import StepPeakMemory
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 MIB = 2**20

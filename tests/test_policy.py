@@ -5,13 +5,12 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from lightning_act import ActivationCapture, CompressionConfig
 from lightning_act.capture import OUTSIDE_MODULES
 from lightning_act.policy import AdaptiveBits, FixedBits, Rule, SaveRules, SlotInfo, allocate_bits
 from lightning_act.policy.allocation import storage_bits
 from lightning_act.policy.estimators import GradientSensitivity, probe_sensitivities, update_weights
+from torch import nn
 
 CANDIDATES = (1, 2, 4, 8, None)
 
@@ -36,8 +35,13 @@ def brute_force(variance, sizes, budget):
 @pytest.mark.parametrize("budget", [1.0, 1.5, 2.0, 3.0, 4.0, 8.0])
 def test_allocation_matches_brute_force(budget):
     g = torch.Generator().manual_seed(int(budget * 10))
-    sizes = {f"t{i}": (int(n), int(n) // 256 + 1, 32) for i, n in enumerate(torch.randint(500, 60000, (5,), generator=g))}
-    variance = {k: plain_table(float(c)) for k, c in zip(sizes, torch.rand(5, generator=g) * 10 ** torch.randint(-2, 3, (5,), generator=g))}
+    sizes = {
+        f"t{i}": (int(n), int(n) // 256 + 1, 32) for i, n in enumerate(torch.randint(500, 60000, (5,), generator=g))
+    }
+    variance = {
+        k: plain_table(float(c))
+        for k, c in zip(sizes, torch.rand(5, generator=g) * 10 ** torch.randint(-2, 3, (5,), generator=g))
+    }
     chosen = allocate_bits(variance, sizes, budget, CANDIDATES)
     allowed = sum(n * budget + gr * 32 for n, gr, _ in sizes.values())
     assert sum(storage_bits(b, *sizes[k]) for k, b in chosen.items()) <= allowed
@@ -172,8 +176,12 @@ def test_probes_leave_grads_untouched():
     x = torch.randn(32, 64)
     model(x).sum().backward()
     before = [p.grad.clone() for p in model.parameters()]
-    probe_sensitivities(ActivationCapture(CompressionConfig(min_numel=256), model),
-                        lambda: model(x).sum(), list(model.parameters()), inputs=x)
+    probe_sensitivities(
+        ActivationCapture(CompressionConfig(min_numel=256), model),
+        lambda: model(x).sum(),
+        list(model.parameters()),
+        inputs=x,
+    )
     assert all(torch.equal(b, p.grad) for b, p in zip(before, model.parameters()))
 
 
@@ -256,11 +264,17 @@ def test_update_weights_follow_each_optimizer_step():
     model = Net()
     x = torch.randn(32, 64)
     params = list(model.parameters())
-    plain = probe_sensitivities(ActivationCapture(CompressionConfig(min_numel=256), model),
-                                lambda: model(x).square().mean(), params, inputs=x)
-    scaled = probe_sensitivities(ActivationCapture(CompressionConfig(min_numel=256), model),
-                                 lambda: model(x).square().mean(), params, inputs=x, weights=[4.0] * len(params),
-                                 update_share=1.0)
+    plain = probe_sensitivities(
+        ActivationCapture(CompressionConfig(min_numel=256), model), lambda: model(x).square().mean(), params, inputs=x
+    )
+    scaled = probe_sensitivities(
+        ActivationCapture(CompressionConfig(min_numel=256), model),
+        lambda: model(x).square().mean(),
+        params,
+        inputs=x,
+        weights=[4.0] * len(params),
+        update_share=1.0,
+    )
     for slot, table in plain.items():
         assert scaled[slot][2] == pytest.approx(4 * table[2], rel=1e-5)
 
@@ -274,8 +288,9 @@ def net_probe(method: str, **options):
 
     def probe(**kwargs):
         capture = ActivationCapture(CompressionConfig(min_numel=256), model)
-        return probe_sensitivities(capture, lambda: model(x).square().mean(), params, inputs=x, method=method,
-                                   **options, **kwargs)
+        return probe_sensitivities(
+            capture, lambda: model(x).square().mean(), params, inputs=x, method=method, **options, **kwargs
+        )
 
     return probe, params
 

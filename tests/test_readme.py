@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from lightning_act import ActCompression
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,11 +25,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning_act import ActCompression, ActivationCapture, CompressionConfig, compress_activations
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_act import ActCompression, ActivationCapture, CompressionConfig, compress_activations
 from tests.test_callback import SmallCNN, make_images
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,7 +223,11 @@ def test_fsdp2_trains_and_never_compresses_weights(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
         [sys.executable, "-m", "tests.test_reliability", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -265,7 +269,9 @@ def checkpointed_net() -> nn.Module:
     """What Lightning's FSDPStrategy(activation_checkpointing_policy={Block}) builds."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-    net = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), Block(HIDDEN), Block(HIDDEN), nn.Linear(HIDDEN, CLASSES))
+    net = nn.Sequential(
+        nn.Linear(FEATURES, HIDDEN), nn.Tanh(), Block(HIDDEN), Block(HIDDEN), nn.Linear(HIDDEN, CLASSES)
+    )
     apply_activation_checkpointing(net, check_fn=lambda module: isinstance(module, Block))
     return net
 
@@ -470,8 +476,10 @@ def test_activation_checkpointing_is_not_compressed_twice(checkpointing):
     assert any(slot.module.startswith("block") for slot in plain.report.slots.values())
     assert 0 < checkpointed.report.stored_bytes < plain.report.stored_bytes
     error = rel_err(checkpointed.grads, exact)
-    print(f"{checkpointing}: {checkpointed.report.counts}, gradient error {error:.2e} (no checkpointing "
-          f"{rel_err(plain.grads, exact):.2e})")
+    print(
+        f"{checkpointing}: {checkpointed.report.counts}, gradient error {error:.2e} (no checkpointing "
+        f"{rel_err(plain.grads, exact):.2e})"
+    )
     assert error < 1e-2
 
 
@@ -674,7 +682,12 @@ class LongRunMLP(L.LightningModule):
     def __init__(self):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Linear(FEATURES, 256), nn.GELU(), nn.Linear(256, 256), nn.ReLU(), nn.Dropout(0.1), nn.Linear(256, CLASSES)
+            nn.Linear(FEATURES, 256),
+            nn.GELU(),
+            nn.Linear(256, 256),
+            nn.ReLU(),
+            nn.Dropout(0.1),
+            nn.Linear(256, CLASSES),
         )
 
     def training_step(self, batch, batch_idx):

@@ -8,11 +8,11 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from lightning_act import ActCompression, ActivationCapture, CompressionConfig
+from lightning_act.policy import FixedBits
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_act import ActCompression, ActivationCapture, CompressionConfig
-from lightning_act.policy import FixedBits
 from tests.test_callback import SmallCNN, make_images
 
 
@@ -20,9 +20,17 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1, stride=2), nn.BatchNorm2d(64), nn.ReLU(),
-            nn.MaxPool2d(2), nn.Dropout(0.1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
+            nn.Conv2d(3, 32, 3, padding=1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1, stride=2),
+            nn.BatchNorm2d(64),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Dropout(0.1),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(64, 10),
         )
 
     def forward(self, x):
@@ -66,8 +74,12 @@ def test_summary_has_clear_headers_an_op_column_and_counts_that_agree():
     listed = re.search(r"(\d+) saved tensors in the table:\n((?:  +\d+  .*\n)+)", summary)
     assert int(listed.group(1)) == tensors
     assert sum(int(line.split()[0]) for line in listed.group(2).splitlines()) == tensors
-    uncounted = re.search(r"not in the table, alive anyway: parameters or their views: (\d+), from the batch or buffers: (\d+)", summary)
-    assert int(uncounted.group(1)) == report.counts["parameter"] and int(uncounted.group(2)) == report.counts["external"]
+    uncounted = re.search(
+        r"not in the table, alive anyway: parameters or their views: (\d+), from the batch or buffers: (\d+)", summary
+    )
+    assert (
+        int(uncounted.group(1)) == report.counts["parameter"] and int(uncounted.group(2)) == report.counts["external"]
+    )
     for word in ("external", "recast", "statistic", "deduplicated", "lossless"):  # outcome names
         assert not re.search(rf"\b{word}\b", summary)
 
@@ -128,8 +140,13 @@ def test_rules_that_match_warn_nothing():
 def test_end_of_fit_names_the_log_and_checkpoint_directories(tmp_path, caplog):
     torch.manual_seed(0)
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=2, logger=CSVLogger(tmp_path), callbacks=[ActCompression(bits=2)],
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        accelerator="cpu",
+        max_steps=2,
+        logger=CSVLogger(tmp_path),
+        callbacks=[ActCompression(bits=2)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
     )
     with caplog.at_level(logging.INFO):
         trainer.fit(SmallCNN(), DataLoader(make_images(64), batch_size=32))

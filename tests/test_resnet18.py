@@ -8,10 +8,9 @@ count the same bytes, 12x slower), not what the codec says it stored.
 import pytest
 import torch
 import torchvision
-from torch import nn
-
 from lightning_act import ActivationCapture, CompressionConfig
 from lightning_act.ops import ensure_kernels, loaded_kernels
+from torch import nn
 
 BATCH = 64
 
@@ -62,8 +61,10 @@ def test_measured_memory_reduction_at_2_bits(resnet, autocast, minimum):
     capture = ActivationCapture(CompressionConfig(bits=2), model)
     compressed, loss = kept_by_forward(forward_fn(model, x, y, capture, autocast=autocast))
     measured = baseline / compressed
-    print(f"autocast={autocast}: kept {baseline / 2**20:.1f} MiB -> {compressed / 2**20:.1f} MiB, "
-          f"measured {measured:.2f}x, reported {capture.report.ratio:.2f}x")
+    print(
+        f"autocast={autocast}: kept {baseline / 2**20:.1f} MiB -> {compressed / 2**20:.1f} MiB, "
+        f"measured {measured:.2f}x, reported {capture.report.ratio:.2f}x"
+    )
     assert measured >= minimum
     # the logged ratio agrees with what the process really keeps
     assert capture.report.ratio == pytest.approx(measured, rel=0.03)
@@ -95,6 +96,8 @@ def test_2_bit_gradients_are_unbiased(resnet):
             single = ((g - reference).norm() / reference.norm()).item()
         total += g
     averaged = ((total / seeds - reference).norm() / reference.norm()).item()
-    print(f"2-bit relative error: one seed {single:.3f}, mean of {seeds} seeds {averaged:.3f}, "
-          f"{single / averaged:.1f}x lower (8x is the unbiased limit)")
+    print(
+        f"2-bit relative error: one seed {single:.3f}, mean of {seeds} seeds {averaged:.3f}, "
+        f"{single / averaged:.1f}x lower (8x is the unbiased limit)"
+    )
     assert single / averaged >= 5.0

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from lightning_act import compress_activations
 from lightning_act.examples.language import CharTransformer
 from lightning_act.examples.vision import CIFAR10DataModule
+from torch import nn
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not DATA.is_dir(), reason=f"real data not found at {DATA}")]
@@ -43,8 +42,12 @@ class CifarCNN(nn.Module):
         super().__init__()
         layers, width = [], 3
         for out in (32, 64, 128):
-            layers += [nn.Conv2d(width, out, 3, padding=1, bias=False), nn.BatchNorm2d(out), nn.ReLU(inplace=True),
-                       nn.MaxPool2d(2)]
+            layers += [
+                nn.Conv2d(width, out, 3, padding=1, bias=False),
+                nn.BatchNorm2d(out),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(2),
+            ]
             width = out
         self.features = nn.Sequential(*layers)
         self.head = nn.Linear(128, 10)
@@ -84,8 +87,9 @@ def test_small_transformer_at_8_bits_matches_uncompressed_on_shakespeare():
     ids = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
     generator = torch.Generator().manual_seed(0)
     starts = torch.randint(0, len(ids) - 33, (100, 16), generator=generator)
-    batches = [(torch.stack([ids[s : s + 32] for s in row]), torch.stack([ids[s + 1 : s + 33] for s in row]))
-               for row in starts]
+    batches = [
+        (torch.stack([ids[s : s + 32] for s in row]), torch.stack([ids[s + 1 : s + 33] for s in row])) for row in starts
+    ]
 
     def run(bits):
         torch.manual_seed(0)
@@ -94,6 +98,8 @@ def test_small_transformer_at_8_bits_matches_uncompressed_on_shakespeare():
 
     baseline = run(None)
     results = {bits: run(bits) for bits in (8, 4, 2)}
-    print(f"char transformer, mean loss of steps 91-100: none {baseline:.4f}, "
-          + ", ".join(f"{b} bits {v:.4f} ({100 * (v / baseline - 1):+.1f}%)" for b, v in results.items()))
+    print(
+        f"char transformer, mean loss of steps 91-100: none {baseline:.4f}, "
+        + ", ".join(f"{b} bits {v:.4f} ({100 * (v / baseline - 1):+.1f}%)" for b, v in results.items())
+    )
     assert abs(results[8] - baseline) <= 0.01 * baseline

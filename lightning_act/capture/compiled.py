@@ -42,7 +42,8 @@ import operator
 import re
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -135,10 +136,10 @@ class Plan(NamedTuple):
 _BASE64 = "b64:"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _parse(plan: str) -> Plan:
     if plan.startswith(_BASE64):
-        plan = base64.b64decode(plan[len(_BASE64):]).decode()
+        plan = base64.b64decode(plan[len(_BASE64) :]).decode()
     return Plan(*ast.literal_eval(plan))
 
 
@@ -318,7 +319,7 @@ def _encode(x: torch.Tensor, plan: Plan, seed: int, axis: int | None = None) -> 
     rows = columns = 0
     source = x.view(-1)
     if axis is not None and axis < x.dim() - 1:
-        rows, columns = x.shape[axis], x.shape[axis + 1:].numel()
+        rows, columns = x.shape[axis], x.shape[axis + 1 :].numel()
         source = x.view(-1, rows, columns)
     codes, stats = _QUANTIZE_PACK(source, plan.bits, plan.group_size, seed, rows > 0)
     return [codes, stats, torch.tensor([rows, columns])]
@@ -334,8 +335,10 @@ def _encode(x: torch.Tensor, plan: Plan, seed: int, axis: int | None = None) -> 
 # the stack while a compiled graph runs, and would see each of their tensor calls (a few us
 # each, for nothing: what they do is decided).
 _LIBRARY = torch.library.Library("lightning_act", "FRAGMENT")
-_LIBRARY.define("pack_saved(Tensor input, str plan) -> Tensor[]",
-                tags=(torch.Tag.nondeterministic_seeded, torch.Tag.cudagraph_unsafe))
+_LIBRARY.define(
+    "pack_saved(Tensor input, str plan) -> Tensor[]",
+    tags=(torch.Tag.nondeterministic_seeded, torch.Tag.cudagraph_unsafe),
+)
 _LIBRARY.define("unpack_saved(Tensor[] parts, SymInt[] size, SymInt[] stride, ScalarType dtype, str plan) -> Tensor")
 # The same kernels under names of their own: the C++ side (csrc/graph_saves.cpp) serves the
 # two ops above on CPU and CUDA and calls these for every case it leaves to Python.
@@ -369,8 +372,10 @@ def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
         ops.ensure_kernels(input.device)
         capture = capturing_now()
         if capture is not None and parsed.form not in ("kept", "copy") and capture.keeps_alive(input):
-            parts = [torch.empty_like(p, device=input.device) if p.is_meta else p
-                     for p in _encode(input.detach().to("meta"), parsed, 0)]
+            parts = [
+                torch.empty_like(p, device=input.device) if p.is_meta else p
+                for p in _encode(input.detach().to("meta"), parsed, 0)
+            ]
             _KEPT_INPUTS[parts[0]] = input.detach()
             NativeSaves.kept(parts[0], input.detach())
             capture.account_compiled(plan, input, parts, kept_alive=True)
@@ -393,8 +398,9 @@ def _pack_saved_fake(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
     return _encode(input, _parse(plan), 0)
 
 
-def _decode(parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
-            plan: Plan) -> torch.Tensor:
+def _decode(
+    parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int], dtype: torch.dtype, plan: Plan
+) -> torch.Tensor:
     numel = math.prod(size)
     if plan.form == "copy":
         flat = parts[0]
@@ -481,8 +487,9 @@ class NativeSaves:
         if cls.owner is not None:
             counts, kept_counts, stats, stat_ids = native.graph_native_drain.default(cls.owner.estimator is not None)
             if counts or kept_counts:
-                cls.owner.account_packed(cls._delta(counts, kept_counts), stats,
-                                         [cls._entries[packer] for packer in stat_ids])
+                cls.owner.account_packed(
+                    cls._delta(counts, kept_counts), stats, [cls._entries[packer] for packer in stat_ids]
+                )
         cls.owner = capture if cls.enabled else None
         if cls.owner is None:
             native.graph_native_session.default(False, 0, [])
@@ -518,8 +525,9 @@ class NativeSaves:
             torch.ops.lightning_act.graph_native_kept(part, input)
 
     @classmethod
-    def learn(cls, plan: str, t: torch.Tensor, parts: list[torch.Tensor], capture: ActivationCapture,
-              kept_alive: bool = False) -> None:
+    def learn(
+        cls, plan: str, t: torch.Tensor, parts: list[torch.Tensor], capture: ActivationCapture, kept_alive: bool = False
+    ) -> None:
         """After Python packed ``t`` by ``plan`` for ``capture`` (or, ``kept_alive``, handed it
         back unwritten): register what the C++ side can do alone from now on."""
         parsed = _parse(plan)
@@ -534,11 +542,20 @@ class NativeSaves:
                 inverse = parsed.substitute().inverse_grid(t.device)
                 codes, width = ops.every_code(bits, t.device)
                 torch.ops.lightning_act.graph_native_derivative_decoder(
-                    plan, bits, parsed.group_size, codes, width, inverse.low, inverse.step, inverse.starts,
-                    inverse.slopes)
+                    plan,
+                    bits,
+                    parsed.group_size,
+                    codes,
+                    width,
+                    inverse.low,
+                    inverse.step,
+                    inverse.starts,
+                    inverse.slopes,
+                )
             else:
-                torch.ops.lightning_act.graph_native_decoder(plan, form, bits, parsed.group_size,
-                                                             parsed.along_axis, offset)
+                torch.ops.lightning_act.graph_native_decoder(
+                    plan, form, bits, parsed.group_size, parsed.along_axis, offset
+                )
         axis, kept_only = parsed.axis, False
         if parsed.survey is not None:
             orders = capture.group_orders
@@ -559,8 +576,18 @@ class NativeSaves:
         cls._learned[key] = packer = len(cls._entries)
         cls._entries.append(PackedSave.of(plan, t, parts))
         torch.ops.lightning_act.graph_native_packer(
-            plan, packer, kept_only, form, bits, parsed.group_size, -1 if axis is None else axis,
-            parsed.along_axis, t.numel(), token, offset)
+            plan,
+            packer,
+            kept_only,
+            form,
+            bits,
+            parsed.group_size,
+            -1 if axis is None else axis,
+            parsed.along_axis,
+            t.numel(),
+            token,
+            offset,
+        )
 
 
 # --------------------------------------------------------------------------- the hook pair
@@ -791,7 +818,9 @@ class CheaperSaves:
                 marked |= names
                 try:
                     with _saving_marked_outcomes():
-                        forward_again, backward_again = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+                        forward_again, backward_again = min_cut_rematerialization_partition(
+                            joint, joint_inputs, **kwargs
+                        )
                     cost_again, candidates_again = _saves_cost(forward_again, backward_again, capture, bits)
                 except Exception:  # a partition min-cut cannot make: the one it made stands
                     cost_again = math.inf
@@ -808,8 +837,9 @@ class CheaperSaves:
         """What inductor's caches key its partitions by: the code that chooses them."""
         from torch._inductor.custom_graph_pass import get_hash_for_files
 
-        return get_hash_for_files((__file__, sys.modules[graph_reads.__module__].__file__,
-                                   sys.modules[decide_saved_node.__module__].__file__))
+        return get_hash_for_files(
+            (__file__, sys.modules[graph_reads.__module__].__file__, sys.modules[decide_saved_node.__module__].__file__)
+        )
 
     @staticmethod
     def install() -> None:
@@ -839,8 +869,11 @@ def _saving_marked_outcomes() -> Iterator[None]:
 
     def choose_with_outcomes(joint_graph: fx.Graph, node_info: Any, *args: Any, **kwargs: Any) -> list[fx.Node]:
         saved = choose(joint_graph, node_info, *args, **kwargs)
-        return saved + [n for n in joint_graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE
-                        and node_info.is_unclaimed(n) and n not in saved]
+        return saved + [
+            n
+            for n in joint_graph.nodes
+            if n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE and node_info.is_unclaimed(n) and n not in saved
+        ]
 
     partitioners.choose_saved_values_set = choose_with_outcomes
     try:
@@ -849,8 +882,9 @@ def _saving_marked_outcomes() -> Iterator[None]:
         partitioners.choose_saved_values_set = choose
 
 
-def _saves_cost(forward: fx.GraphModule, backward: fx.GraphModule, capture: ActivationCapture, bits: int
-                ) -> tuple[float, tuple[set[str], set[str]]]:
+def _saves_cost(
+    forward: fx.GraphModule, backward: fx.GraphModule, capture: ActivationCapture, bits: int
+) -> tuple[float, tuple[set[str], set[str]]]:
     """The bits a partition's saves cost as :class:`GraphPlan` would store them at ``bits``,
     and the nodes worth saving instead of those that cost more (see :class:`CheaperSaves`):
     the forward ops backward recomputes from them, and their equality outcomes."""
@@ -865,8 +899,13 @@ def _saves_cost(forward: fx.GraphModule, backward: fx.GraphModule, capture: Acti
         if node is None or node.op == "placeholder" or not isinstance(val, torch.Tensor):
             continue  # the graph's inputs are alive anyway, whichever the partition
         decision = decide_saved_node(
-            _hinted(val), reads[placeholder.name], producer(node), consumers(node),
-            min_numel=capture.config.min_numel, group_size=capture.config.group_size, statistic=is_statistic(node),
+            _hinted(val),
+            reads[placeholder.name],
+            producer(node),
+            consumers(node),
+            min_numel=capture.config.min_numel,
+            group_size=capture.config.group_size,
+            statistic=is_statistic(node),
             softmax_row=softmax_row(node),
         )
         if decision.kind is Kind.MASK:
@@ -903,6 +942,7 @@ def _outcomes(saved: fx.Node, gradient_free: set[fx.Node]) -> set[str]:
     further (``(x == other) | (isnan(x) & isnan(other))``, not its pieces). Saved in place of
     the tensor they are the outcome eager stores for a match, 1 bit per value, made in the
     forward where both sides exist."""
+
     def boolean(node: fx.Node) -> bool:
         val = node.meta.get("val")
         return node in gradient_free and isinstance(val, torch.Tensor) and val.dtype == torch.bool
@@ -951,8 +991,12 @@ def _whole_op_result(node: fx.Node) -> bool:
 
 
 # ----------------------------------------------------------------- planning one graph
-_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "squeeze",
-                    "unsqueeze", "select", "slice", "alias", "detach", "clone", "as_strided"})
+_VIEWS = frozenset(
+    """
+    view _unsafe_view reshape permute transpose t expand squeeze unsqueeze select slice alias detach clone
+    as_strided
+    """.split()
+)
 _QUALNAME_ACCESS = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]|\[['\"]([^'\"]+)['\"]\]|\[(\d+)\]")
 
 
@@ -1089,8 +1133,12 @@ def index_bound(node: fx.Node) -> tuple[int, int] | None:
         return None
     rows: dict[int, tuple[int, int]] = {}
     for user in node.users:
-        if (_name_of(user.target) == "select" and user.args[0] is node and user.args[1] in (0, -val.dim())
-                and isinstance(user.args[2], int)):
+        if (
+            _name_of(user.target) == "select"
+            and user.args[0] is node
+            and user.args[1] in (0, -val.dim())
+            and isinstance(user.args[2], int)
+        ):
             bound = _whole_index_bound(user)
             if bound is not None:
                 row = user.args[2] % val.shape[0]
@@ -1106,8 +1154,11 @@ def _intersection(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
 
 # Views that hold every value of the tensor they view (an index reshaped or broadcast for
 # a scatter is read whole).
-_WHOLE_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "expand", "unsqueeze", "squeeze", "permute",
-                          "transpose", "t", "alias", "clone"})
+_WHOLE_VIEWS = frozenset(
+    """
+    view _unsafe_view reshape expand unsqueeze squeeze permute transpose t alias clone
+    """.split()
+)
 
 
 def _whole_index_bound(node: fx.Node) -> tuple[int, int] | None:
@@ -1210,8 +1261,11 @@ class GraphPlan:
         # one's forward sequence number and module stack). The ops that save it, as eager
         # names a save by its op, are those whose backward reads it: by their aten name and
         # by the torch function the model called, eager's name for them.
-        forward_ops = {int(n.meta["seq_nr"]): {_op_name(n), _function_name(n)} - {None} for n in reversed(forward.nodes)
-                       if n.meta.get("seq_nr") is not None}
+        forward_ops = {
+            int(n.meta["seq_nr"]): {_op_name(n), _function_name(n)} - {None}
+            for n in reversed(forward.nodes)
+            if n.meta.get("seq_nr") is not None
+        }
         self._modules, self._savers = {}, {}
         for node in backward.nodes:
             if node.op == "placeholder":
@@ -1229,8 +1283,14 @@ class GraphPlan:
             plans[node.name], outcome = self._plan(node)
             val = node.meta.get("val")
             if plans[node.name] is None and isinstance(val, torch.Tensor):
-                kept.append((self._module(node), size_hint(val.numel()) * val.element_size(), outcome.value,
-                             self._exact_slots.get(node.name)))
+                kept.append(
+                    (
+                        self._module(node),
+                        size_hint(val.numel()) * val.element_size(),
+                        outcome.value,
+                        self._exact_slots.get(node.name),
+                    )
+                )
         first = next((name for name, plan in plans.items() if plan is not None), None)
         if first is not None:
             plans[first] = plans[first]._replace(kept=tuple(kept))
@@ -1255,9 +1315,15 @@ class GraphPlan:
         module = self._module(node)
         op = producer(node)
         decision = decide_saved_node(
-            val, self._reads.get(node.name, Read(Use.EXACT)), op, consumers(node),
-            min_numel=capture.config.min_numel, group_size=capture.config.group_size, statistic=is_statistic(node),
-            index_range=index_bound(node) if val.dtype in INDEX_DTYPES else None, softmax_row=softmax_row(node),
+            val,
+            self._reads.get(node.name, Read(Use.EXACT)),
+            op,
+            consumers(node),
+            min_numel=capture.config.min_numel,
+            group_size=capture.config.group_size,
+            statistic=is_statistic(node),
+            index_range=index_bound(node) if val.dtype in INDEX_DTYPES else None,
+            softmax_row=softmax_row(node),
         )
         if decision.kind is Kind.MASK:
             return Plan("mask", 1, 0, module, "", op, 1), Outcome.LOSSLESS
@@ -1267,7 +1333,8 @@ class GraphPlan:
             return Plan("cells", 0, 0, module, "", op, 1, cells=decision.cells.thresholds), Outcome.LOSSLESS
         shape = node.meta["val"].shape
         if decision.group_axis is not None and not all(
-                isinstance(size, int) for size in (shape if decision.channels_last else (shape[decision.group_axis],))):
+            isinstance(size, int) for size in (shape if decision.channels_last else (shape[decision.group_axis],))
+        ):
             # Its groups divide that axis's size times the later ones (in channels-last memory,
             # every size but the channels'): another batch size (``dynamic=True``) would move
             # them across channels.
@@ -1279,8 +1346,15 @@ class GraphPlan:
         slot = f"{module}#{index}"
         numel = val.numel()
         group_size = decision.row_group or capture.config.group_size
-        info = SlotInfo(module=module, shape=tuple(val.shape), numel=numel, groups=-(-numel // group_size),
-                        element_bits=val.element_size() * 8, op=op, min_bits=decision.min_bits)
+        info = SlotInfo(
+            module=module,
+            shape=tuple(val.shape),
+            numel=numel,
+            groups=-(-numel // group_size),
+            element_bits=val.element_size() * 8,
+            op=op,
+            min_bits=decision.min_bits,
+        )
         capture.slots[slot] = info
         bits = capture.policy.bits_for(slot, info)
         if bits is None:  # a rule or the policy says so
@@ -1291,16 +1365,40 @@ class GraphPlan:
             self._exact_slots[node.name] = (slot, info.shape, op)
             return None, Outcome.EXACT
         if decision.substitute is not None:
-            return Plan("derivative", bits, group_size, module, slot, op, decision.min_bits,
-                        derivative=decision.substitute.source), Outcome.COMPRESSED
+            return Plan(
+                "derivative",
+                bits,
+                group_size,
+                module,
+                slot,
+                op,
+                decision.min_bits,
+                derivative=decision.substitute.source,
+            ), Outcome.COMPRESSED
         # Its groups' axis surveyed as in eager, where eager would: groups of the tensor's own
         # values (not rows laid out for them), in a tensor stored in its logical order.
-        surveyed = (capture.chooses_group_axes and decision.row_group is None and val.is_contiguous()
-                    and bool(candidate_axes(val, group_size)))
+        surveyed = (
+            capture.chooses_group_axes
+            and decision.row_group is None
+            and val.is_contiguous()
+            and bool(candidate_axes(val, group_size))
+        )
         survey = f"{slot} {tuple(val.shape)}" if surveyed else None
-        return (Plan("quant", bits, group_size, module, slot, op, decision.min_bits, survey=survey,
-                     axis=decision.group_axis, channels_last=decision.channels_last), Outcome.COMPRESSED)
-
+        return (
+            Plan(
+                "quant",
+                bits,
+                group_size,
+                module,
+                slot,
+                op,
+                decision.min_bits,
+                survey=survey,
+                axis=decision.group_axis,
+                channels_last=decision.channels_last,
+            ),
+            Outcome.COMPRESSED,
+        )
 
     def _rule_op(self, module: str, op: str | None, savers: set[str]) -> str | None:
         """The op a saved node is named by, for its rules and in the report. Eager names a

@@ -211,8 +211,16 @@ _UNKNOWN_USE_BITS = _NONLINEAR_BITS
 # ``y (1 - y)`` and ``1 - y**2``), 4 bits or more.
 _RECURRENT_OPS = frozenset({"gru", "lstm", "rnn_tanh", "rnn_relu"})
 _RECURRENT_READ = Read(Use.QUADRATIC)
-BATCH_NORM_OPS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
-                            "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training"})
+BATCH_NORM_OPS = frozenset(
+    {
+        "batch_norm",
+        "native_batch_norm",
+        "_native_batch_norm_legit",
+        "_batch_norm_with_update",
+        "_native_batch_norm_legit_functional",
+        "_native_batch_norm_legit_no_training",
+    }
+)
 
 # Normalisations whose backward scales each row's noise by that row's 1 / std. A group of
 # the quantizer that spans two rows takes its range from the wider one, and the narrow
@@ -252,25 +260,13 @@ _ROW_FACTOR_HISTORY = 8  # autograd nodes searched from the factor back to x
 # Autograd nodes that only view or cast their single input: following them from a saved
 # tensor tells whether it is a parameter in disguise.
 _VIEW_OR_CAST_NODES = frozenset(
-    {
-        "AliasBackward0",
-        "CloneBackward0",
-        "ExpandBackward0",
-        "PermuteBackward0",
-        "ReshapeAliasBackward0",
-        "SelectBackward0",
-        "SliceBackward0",
-        "SqueezeBackward0",
-        "SqueezeBackward1",
-        "SqueezeBackward2",
-        "TBackward0",
-        "ToCopyBackward0",
-        "TransposeBackward0",
-        "UnsafeViewBackward0",
-        "UnsqueezeBackward0",
-        "ViewBackward0",
-    }
+    """
+    AliasBackward0 CloneBackward0 ExpandBackward0 PermuteBackward0 ReshapeAliasBackward0 SelectBackward0
+    SliceBackward0 SqueezeBackward0 SqueezeBackward1 SqueezeBackward2 TBackward0 ToCopyBackward0 TransposeBackward0
+    UnsafeViewBackward0 UnsqueezeBackward0 ViewBackward0
+    """.split()
 )
+
 
 class Kind(enum.Enum):
     """How a saved tensor is stored."""
@@ -429,8 +425,22 @@ class FiniteStandIn:
 _FINITE_STAND_IN = FiniteStandIn()
 # The reads through which backward exponentiates a saved tensor (the analysis's reason): aten
 # ops, and a fused attention's mask.
-_EXPONENTIATING = frozenset({"exp", "exp2", "logsumexp", "logcumsumexp", "_softmax", "_log_softmax", "softmax",
-                             "log_softmax", "logaddexp", "logaddexp2", "_log_softmax_backward_data", ATTENTION_MASK})
+_EXPONENTIATING = frozenset(
+    {
+        "exp",
+        "exp2",
+        "logsumexp",
+        "logcumsumexp",
+        "_softmax",
+        "_log_softmax",
+        "softmax",
+        "log_softmax",
+        "logaddexp",
+        "logaddexp2",
+        "_log_softmax_backward_data",
+        ATTENTION_MASK,
+    }
+)
 
 
 class Decision(NamedTuple):
@@ -528,6 +538,7 @@ def _is_input(t: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
     storage = t.untyped_storage().data_ptr()
     return any(a.untyped_storage().data_ptr() == storage for a in inputs)
 
+
 def _is_statistic(t: torch.Tensor, call: TrackedCall) -> bool:
     inputs = _tensor_arguments(call)
     # Only a larger activation makes it a statistic; a parameter's size says nothing. Checked
@@ -563,6 +574,7 @@ def _is_direct_output(t: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
         return True
     return any(reaches_input(parent) for parent, _ in node.next_functions)
 
+
 def _is_first_argument(t: torch.Tensor, call: TrackedCall) -> bool:
     """Whether ``t`` is the call's input (its first argument), as a normalisation takes it."""
     return is_same_tensor(call_argument(call, 0, "input"), t)
@@ -580,9 +592,15 @@ def _is_scaled_by_own_row_factor(t: torch.Tensor, call: TrackedCall) -> bool:
         x, factor = second, first
     else:
         return False
-    if (not isinstance(factor, torch.Tensor) or not factor.is_floating_point() or factor.grad_fn is None
-            or x.grad_fn is None or factor.dim() != t.dim() or factor.shape[-1] != 1
-            or factor.shape[:-1] != t.shape[:-1]):
+    if (
+        not isinstance(factor, torch.Tensor)
+        or not factor.is_floating_point()
+        or factor.grad_fn is None
+        or x.grad_fn is None
+        or factor.dim() != t.dim()
+        or factor.shape[-1] != 1
+        or factor.shape[:-1] != t.shape[:-1]
+    ):
         return False
     return _history_reaches(factor.grad_fn, x.grad_fn)
 
@@ -713,8 +731,12 @@ def _normalizes_short_rows(call: TrackedCall) -> bool:
     if call.name not in _ROW_NORMALIZING_OPS and call.name not in _SCALING_OPS and call.name not in BATCH_NORM_OPS:
         return False
     first = call_argument(call, 0, "input", "self")
-    if (not isinstance(first, torch.Tensor) or not first.is_floating_point() or first.layout != torch.strided
-            or first.is_nested):
+    if (
+        not isinstance(first, torch.Tensor)
+        or not first.is_floating_point()
+        or first.layout != torch.strided
+        or first.is_nested
+    ):
         return False
     row = _normalization_row(first, call)
     if row is None:
@@ -935,12 +957,19 @@ def _exact(site: SaveSite) -> Decision:
 # The decisions that depend on nothing but their kind, made once: a NamedTuple of this many
 # fields takes microseconds to build, and every parameter is saved at every step.
 _KEEP, _PARAMETER, _CAST_PARAMETER, _EXTERNAL = (
-    Decision(kind) for kind in (Kind.KEEP, Kind.PARAMETER, Kind.CAST_PARAMETER, Kind.EXTERNAL))
+    Decision(kind) for kind in (Kind.KEEP, Kind.PARAMETER, Kind.CAST_PARAMETER, Kind.EXTERNAL)
+)
 
 
 def decide(
-    t: torch.Tensor, call: TrackedCall | None, *, external: bool, min_numel: int, group_size: int = 256,
-    unseen: bool = False, decided: dict | None = None,
+    t: torch.Tensor,
+    call: TrackedCall | None,
+    *,
+    external: bool,
+    min_numel: int,
+    group_size: int = 256,
+    unseen: bool = False,
+    decided: dict | None = None,
 ) -> Decision:
     """How to store ``t``, which ``call`` is saving for backward.
 
@@ -1017,8 +1046,9 @@ def _decide_from_call(t: torch.Tensor, call: TrackedCall | None, min_numel: int,
         row_group, padded_row = _row_grouping(row, group_size, max(decision.min_bits, 2))
         if padded_row != row:
             row_layout = row_layout.with_padded_rows(t, row, padded_row)
-    return decision._replace(layout=layout, row_group=row_group,
-                             row_layout=row_layout if row_group is not None else None)
+    return decision._replace(
+        layout=layout, row_group=row_group, row_layout=row_layout if row_group is not None else None
+    )
 
 
 def site_of_call(t: torch.Tensor, call: TrackedCall | None, layout: Layout | None) -> SaveSite:
@@ -1026,9 +1056,16 @@ def site_of_call(t: torch.Tensor, call: TrackedCall | None, layout: Layout | Non
     numel = t.numel() if layout is None else layout.numel
     contiguous = t.is_contiguous()
     if not t.is_floating_point():
-        return SaveSite(t.dtype, numel, layout is not None, contiguous, None, seen=call is not None,
-                        index_range=saved_index_range(call, t),
-                        measures_range=t.device.type == "cpu" and t.element_size() > 1)
+        return SaveSite(
+            t.dtype,
+            numel,
+            layout is not None,
+            contiguous,
+            None,
+            seen=call is not None,
+            index_range=saved_index_range(call, t),
+            measures_range=t.device.type == "cpu" and t.element_size() > 1,
+        )
     if call is None:
         return SaveSite(t.dtype, numel, layout is not None, contiguous, None, seen=False)
     normalized = None
@@ -1039,7 +1076,11 @@ def site_of_call(t: torch.Tensor, call: TrackedCall | None, layout: Layout | Non
         normalized = Normalized(channel, channels=True)
     softmax_row = _softmax_row(t)
     return SaveSite(
-        t.dtype, numel, layout is not None, contiguous, read_of(t, call),
+        t.dtype,
+        numel,
+        layout is not None,
+        contiguous,
+        read_of(t, call),
         zero_exact=call.name in _ZERO_EXACT_OPS,
         softmax=call.name in SOFTMAX_OPS or softmax_row is not None,
         normalized=normalized,
@@ -1059,8 +1100,9 @@ _GRAPH_GROUP_NORMALIZING_OPS = frozenset({"native_group_norm", "group_norm"})
 _BATCH_NORM_BACKWARD_OPS = frozenset({"native_batch_norm_backward", "batch_norm_backward"})
 
 
-def _graph_normalization(val: torch.Tensor, producer: str | None, consumers: dict[str, tuple]
-                         ) -> tuple[Normalized | None, bool]:
+def _graph_normalization(
+    val: torch.Tensor, producer: str | None, consumers: dict[str, tuple]
+) -> tuple[Normalized | None, bool]:
     """How a normalisation reading ``val`` in a compiled forward groups it, and whether each
     of its rows is a run of ``val``'s memory: the normalised shape for LayerNorm and RMSNorm,
     one group's channels and map for GroupNorm, a channel for BatchNorm (strided: handled by
@@ -1087,9 +1129,12 @@ def _rows_normalized(val: torch.Tensor, consumers: dict[str, tuple]) -> tuple[No
     for name in consumers.keys() & _GRAPH_ROW_NORMALIZING_OPS:
         for argument in consumers[name]:
             read = getattr(argument, "meta", {}).get("val")
-            if (isinstance(read, torch.Tensor) and read.dim() >= 1
-                    and all(type(s) is int for s in (*read.shape, *read.stride()))
-                    and read.numel() == val.numel()):
+            if (
+                isinstance(read, torch.Tensor)
+                and read.dim() >= 1
+                and all(type(s) is int for s in (*read.shape, *read.stride()))
+                and read.numel() == val.numel()
+            ):
                 return Normalized(read.shape[-1]), read.shape[-1] == 1 or read.stride()[-1] == 1
     return Normalized(int(val.shape[-1])), True
 
@@ -1103,8 +1148,9 @@ def _in_channels_last_memory(val: torch.Tensor) -> bool:
 def _overlaps(val: torch.Tensor) -> bool:
     """Whether two indices of ``val`` address one element (an expanded or unfolded view)."""
     extent = 1
-    for size, stride in sorted(((int(n), int(s)) for n, s in zip(val.shape, val.stride()) if n != 1),
-                               key=lambda d: d[1]):
+    for size, stride in sorted(
+        ((int(n), int(s)) for n, s in zip(val.shape, val.stride()) if n != 1), key=lambda d: d[1]
+    ):
         if stride < extent:
             return True
         extent = stride * size
@@ -1112,8 +1158,16 @@ def _overlaps(val: torch.Tensor) -> bool:
 
 
 def decide_saved_node(
-    val: object, read: Read, producer: str | None, consumers: dict[str, tuple], *, min_numel: int, group_size: int,
-    statistic: bool = False, index_range: tuple[int, int] | None = None, softmax_row: int | None = None,
+    val: object,
+    read: Read,
+    producer: str | None,
+    consumers: dict[str, tuple],
+    *,
+    min_numel: int,
+    group_size: int,
+    statistic: bool = False,
+    index_range: tuple[int, int] | None = None,
+    softmax_row: int | None = None,
 ) -> Decision:
     """How to store a tensor a compiled forward saves: :func:`decide_site` on what the graph
     shows of it, laid out as a graph's plan can store it.
@@ -1151,7 +1205,11 @@ def decide_saved_node(
         return Decision(Kind.KEEP)
     normalized, runs = _graph_normalization(val, producer, consumers) if val.dtype in FLOAT_DTYPES else (None, True)
     site = SaveSite(
-        val.dtype, int(val.numel()), not _overlaps(val), val.is_contiguous(), read,
+        val.dtype,
+        int(val.numel()),
+        not _overlaps(val),
+        val.is_contiguous(),
+        read,
         zero_exact=producer in _ZERO_EXACT_OPS,
         softmax=producer in SOFTMAX_OPS,
         normalized=normalized,

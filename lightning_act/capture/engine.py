@@ -44,8 +44,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_act import backward_reads
 from lightning_act.capture import compiled as compiled_module
-from lightning_act.capture.active import CAPTURING, capturing_now, splitmix64
 from lightning_act.capture import decide as decide_module
+from lightning_act.capture.active import CAPTURING, capturing_now, splitmix64
 from lightning_act.capture.compiled import (
     COMPILED_REGION,
     CheaperSaves,
@@ -101,14 +101,24 @@ _VERSION = importlib.metadata.version("lightning_act")
 # What a compiled graph's plans depend on besides the settings: the code that makes them.
 # Torch's AOT autograd cache reuses a graph across processes by this name, so an upgraded
 # (or edited) library never runs a graph planned by another version.
-_PLANNING_CODE = hashlib.sha256(b"".join(
-    Path(module.__file__).read_bytes() for module in (backward_reads, decide_module, compiled_module)
-)).hexdigest()[:16]
+_PLANNING_CODE = hashlib.sha256(
+    b"".join(Path(module.__file__).read_bytes() for module in (backward_reads, decide_module, compiled_module))
+).hexdigest()[:16]
 
 
 # The kinds of save stored exactly, which a comparison's outcome may be stored against.
-_EXACT_KINDS = frozenset({Kind.KEEP, Kind.STATISTIC, Kind.INDEX, Kind.MASK, Kind.PARAMETER, Kind.EXTERNAL,
-                          Kind.CAST_PARAMETER, Kind.RECAST_WEIGHT})
+_EXACT_KINDS = frozenset(
+    {
+        Kind.KEEP,
+        Kind.STATISTIC,
+        Kind.INDEX,
+        Kind.MASK,
+        Kind.PARAMETER,
+        Kind.EXTERNAL,
+        Kind.CAST_PARAMETER,
+        Kind.RECAST_WEIGHT,
+    }
+)
 
 
 class Probe:
@@ -156,8 +166,10 @@ class Probe:
         rows = []
         for slot in self.slots:
             dense, codec, group_axis = self._held[slot]
-            errors = [(codec.pack(dense, b, self.next_seed(), group_axis).unpack() - dense).float().square().sum()
-                      for b in widths]
+            errors = [
+                (codec.pack(dense, b, self.next_seed(), group_axis).unpack() - dense).float().square().sum()
+                for b in widths
+            ]
             rows.append(torch.stack(errors))
         return torch.stack(rows).cpu() if rows else torch.zeros(0, len(widths))
 
@@ -376,8 +388,10 @@ class ActivationCapture:
         if not shared:
             return
         listed = "; ".join(f"{len(names)} {kind} modules ({names[0]}, ...)" for kind, names in shared.items())
-        remedy = ("compile the model whole (torch.compile(model), or trainer.fit of the compiled LightningModule) "
-                  "or leave these modules eager")
+        remedy = (
+            "compile the model whole (torch.compile(model), or trainer.fit of the compiled LightningModule) "
+            "or leave these modules eager"
+        )
         if isinstance(self.policy, TargetBits):
             raise ValueError(
                 f"lightning_act: memory_target cannot be planned where modules compiled one by one share their "
@@ -422,8 +436,9 @@ class ActivationCapture:
             # Not the seed: the graphs draw their noise from a stream seeded at run time, so
             # a capture per step with a seed of its own must not compile new graphs.
             planned = dataclasses.replace(self.config, seed=0)
-            described = repr((_VERSION, _PLANNING_CODE, planned, type(policy).__name__, policy.rules.rules,
-                              policy.choices_state()))
+            described = repr(
+                (_VERSION, _PLANNING_CODE, planned, type(policy).__name__, policy.rules.rules, policy.choices_state())
+            )
             self._state = (key, f"lightning_act-{hashlib.sha256(described.encode()).hexdigest()[:24]}")
         return self._state[1]
 
@@ -478,8 +493,7 @@ class ActivationCapture:
         """Whether ``t``'s storage stays alive for the whole step anyway (the batch, buffers)."""
         return self._live(self._external, t.untyped_storage().data_ptr())
 
-    def account_compiled(self, plan: str, t: torch.Tensor, parts: list[torch.Tensor], kept_alive: bool = False
-                         ) -> None:
+    def account_compiled(self, plan: str, t: torch.Tensor, parts: list[torch.Tensor], kept_alive: bool = False) -> None:
         """Add a tensor a compiled graph packed (and the kept saves its plan carries) to the
         report; ``kept_alive``: one it kept as it is instead (see :meth:`keeps_alive`)."""
         save = PackedSave.of(plan, t, parts)
@@ -692,8 +706,17 @@ class ActivationCapture:
         ref = table.get(ptr)
         return ref is not None and not _storage_expired(ref.cdata)
 
-    def _account(self, module: str, op: str | None, t: torch.Tensor, outcome: Outcome, stored: int,
-                 copied: bool = False, bits: Any = NO_BITS, codec: str | None = None) -> None:
+    def _account(
+        self,
+        module: str,
+        op: str | None,
+        t: torch.Tensor,
+        outcome: Outcome,
+        stored: int,
+        copied: bool = False,
+        bits: Any = NO_BITS,
+        codec: str | None = None,
+    ) -> None:
         """Add one saved tensor, saved by ``op`` in ``module``, to the report, stored at ``bits``
         (None: exact) by ``codec``; its storage counts once however often saved. ``copied``: a
         tensor its outcome keeps, kept as a copy of ``stored`` bytes instead."""
@@ -756,8 +779,9 @@ class ActivationCapture:
             call.waiting = [settle for settle in call.waiting if not settle(False)]
         return saved
 
-    def _store_decided(self, t: torch.Tensor, call: TrackedCall | None, decision: Decision, module: str,
-                       ptr: int) -> Any:
+    def _store_decided(
+        self, t: torch.Tensor, call: TrackedCall | None, decision: Decision, module: str, ptr: int
+    ) -> Any:
         """What autograd holds for ``t``, stored as ``decision`` says."""
         op = None if call is None else call.name
         kind = decision.kind
@@ -873,8 +897,9 @@ class ActivationCapture:
         storage = self._saved_storages[key[0]]
         rows = None if decision.kind is not Kind.QUANTIZE else (decision.row_group, decision.row_layout)
         earlier = self._dedup.get(key)
-        self._dedup[key] = later = Shared(storage, (t.shape, t.stride()), saved, run_record, view_guaranteed,
-                                          run_guaranteed, rows)
+        self._dedup[key] = later = Shared(
+            storage, (t.shape, t.stride()), saved, run_record, view_guaranteed, run_guaranteed, rows
+        )
         if earlier is not None:
             self._supersede(earlier, later)
 
@@ -890,9 +915,15 @@ class ActivationCapture:
         another view decodes from the earlier record, nor a substitute stored for its op
         alone."""
         old, new = earlier.saved, later.saved
-        if (_storage_expired(earlier.storage.cdata) or earlier.viewed or earlier.view != later.view
-                or not isinstance(old, Compressed) or old.slot is None or old.substitute is not None
-                or later.view_guaranteed < earlier.view_guaranteed):
+        if (
+            _storage_expired(earlier.storage.cdata)
+            or earlier.viewed
+            or earlier.view != later.view
+            or not isinstance(old, Compressed)
+            or old.slot is None
+            or old.substitute is not None
+            or later.view_guaranteed < earlier.view_guaranteed
+        ):
             return
         if isinstance(new, torch.Tensor):
             record, layout = KeptRecord(new), Layout.as_it_is()
@@ -923,8 +954,9 @@ class ActivationCapture:
         if terms is None or terms.policy is not self.policy:
             if len(self._terms) >= _TERMS_KEPT:  # new decisions at every step: start again
                 self._terms.clear()
-            terms = self._terms[key] = _Terms(decision, self.policy, self._codec_for(module, op, decision),
-                                              self._bits_needed(module, op, decision))
+            terms = self._terms[key] = _Terms(
+                decision, self.policy, self._codec_for(module, op, decision), self._bits_needed(module, op, decision)
+            )
         return terms
 
     def _bits_needed(self, module: str, op: str | None, decision: Decision) -> float:
@@ -978,8 +1010,9 @@ class ActivationCapture:
             settle(False)
         return saved
 
-    def _store_match_partner(self, t: torch.Tensor, call: TrackedCall, decision: Decision, module: str,
-                             ptr: int) -> Any:
+    def _store_match_partner(
+        self, t: torch.Tensor, call: TrackedCall, decision: Decision, module: str, ptr: int
+    ) -> Any:
         """A tensor backward reads only as what matched saves of its call are compared with
         (``scatter_reduce`` amax's result). Those saves take their outcomes against ``t``
         itself, here; then ``t`` is stored at its bits and their stand-ins are rebuilt from the
@@ -991,8 +1024,11 @@ class ActivationCapture:
         if call.waiting:
             call.waiting = [settle for settle in call.waiting if not settle(False)]
         dependents = [saved for saved, kind in (call.saved[d] for d in decision.match_partner) if kind is Kind.MATCH]
-        settled = (self._probe is None and len(dependents) == len(decision.match_partner)
-                   and all(saved.matched is not None for saved in dependents))
+        settled = (
+            self._probe is None
+            and len(dependents) == len(decision.match_partner)
+            and all(saved.matched is not None for saved in dependents)
+        )
         final = decision._replace(match_partner=()) if settled else Decision(Kind.KEEP)
         if settled and t.device.type == "cpu" and bool(torch.isfinite(t).all()):
             # Nothing for the finite stand-in to replace (on the CPU, looking costs no device
@@ -1006,8 +1042,7 @@ class ActivationCapture:
                 saved.partners[saved.match.partners.index(index)] = stored
         return stored
 
-    def _store_recomputed(self, t: torch.Tensor, call: TrackedCall, decision: Decision, module: str,
-                          ptr: int) -> Any:
+    def _store_recomputed(self, t: torch.Tensor, call: TrackedCall, decision: Decision, module: str, ptr: int) -> Any:
         """A fused attention's output: nothing stored; computed again in backward from what
         autograd holds for the call's query, key and value (one computation for the output
         and the logsumexp). Kept exact where those saves are not there to read."""
@@ -1016,16 +1051,21 @@ class ActivationCapture:
             return self._store_decided(t, call, Decision(Kind.KEEP), module, ptr)
         inputs = [call.saved[i][0] for i in recompute.inputs]
         recomputation = next(
-            (saved.recomputation for saved, _ in call.saved if isinstance(saved, RecomputedOutput)
-             and saved.recomputation.recompute.inputs == recompute.inputs
-             and saved.recomputation.recompute.target is recompute.target),
+            (
+                saved.recomputation
+                for saved, _ in call.saved
+                if isinstance(saved, RecomputedOutput)
+                and saved.recomputation.recompute.inputs == recompute.inputs
+                and saved.recomputation.recompute.target is recompute.target
+            ),
             None,
         ) or Recomputation(recompute, inputs)
         self._account(module, call.name, t, Outcome.RECOMPUTED, 0)
         return RecomputedOutput(recomputation, recompute.output, t)
 
-    def _store_lossless(self, t: torch.Tensor, dense: torch.Tensor, decision: Decision, module: str, op: str | None
-                        ) -> Compressed:
+    def _store_lossless(
+        self, t: torch.Tensor, dense: torch.Tensor, decision: Decision, module: str, op: str | None
+    ) -> Compressed:
         """A mask or indices, stored exactly in fewer bits."""
         kind = decision.kind
         if kind is Kind.INDEX:
@@ -1041,8 +1081,15 @@ class ActivationCapture:
         self._account(module, op, t, Outcome.LOSSLESS, record.nbytes, codec=name)
         return Compressed(record, decision.layout, decision.cells)
 
-    def _store(self, t: torch.Tensor, dense: torch.Tensor, decision: Decision, module: str, op: str | None,
-               codec: GroupQuantCodec | DivisionCodec | PoolCodec) -> Any:
+    def _store(
+        self,
+        t: torch.Tensor,
+        dense: torch.Tensor,
+        decision: Decision,
+        module: str,
+        op: str | None,
+        codec: GroupQuantCodec | DivisionCodec | PoolCodec,
+    ) -> Any:
         """A floating-point tensor in its slot, by ``codec`` (the rules' or the default) at
         the bits the rules and policy give it."""
         layout = laid_out = decision.layout
@@ -1088,8 +1135,7 @@ class ActivationCapture:
             if not self.policy.pins_bits(info):  # a rule decides its bits: nothing to measure
                 self._probe.add(slot, dense.detach(), probe_codec, group_axis)
             self._account(module, op, t, Outcome.EXACT, 0)
-            return Compressed(ProbeRecord(self._probe, slot, dense.detach(), probe_codec, group_axis), layout,
-                              restorer)
+            return Compressed(ProbeRecord(self._probe, slot, dense.detach(), probe_codec, group_axis), layout, restorer)
         dense_bytes = layout.numel * dense.element_size()  # without the padding of rows
         if bits is None:
             return self._store_exact(t, kept_copy, laid_out, module, op, slot, dense_bytes)
@@ -1106,8 +1152,16 @@ class ActivationCapture:
         self.report.slots[slot] = plan.memory_of(bits, dense_bytes, record.nbytes, record.codec)
         return Compressed(record, layout, restorer, slot)
 
-    def _store_exact(self, t: torch.Tensor, dense: torch.Tensor, layout: Layout, module: str, op: str | None,
-                     slot: str, dense_bytes: int) -> Any:
+    def _store_exact(
+        self,
+        t: torch.Tensor,
+        dense: torch.Tensor,
+        layout: Layout,
+        module: str,
+        op: str | None,
+        slot: str,
+        dense_bytes: int,
+    ) -> Any:
         """A slot the policy or a rule keeps exact: ``t`` itself, or, where ``t`` views part of
         a storage nothing else keeps for backward, a copy of its own values. Kept as a view, an
         attention's value, a third of the ``qkv`` projection's output, held all of it: two
@@ -1134,16 +1188,22 @@ class _SlotPlan:
 
     __slots__ = ("decision", "op", "codec", "info", "memory")
 
-    def __init__(self, decision: Decision, op: str | None, codec: GroupQuantCodec | DivisionCodec | PoolCodec,
-                 info: SlotInfo):
+    def __init__(
+        self, decision: Decision, op: str | None, codec: GroupQuantCodec | DivisionCodec | PoolCodec, info: SlotInfo
+    ):
         self.decision, self.op, self.codec, self.info = decision, op, codec, info
         self.memory: SlotMemory | None = None
 
     def memory_of(self, bits: int, saved_bytes: int, stored_bytes: int, codec: str) -> SlotMemory:
         """The slot's report entry for this save: the last one where nothing changed."""
         memory = self.memory
-        if (memory is None or memory.bits != bits or memory.saved_bytes != saved_bytes
-                or memory.stored_bytes != stored_bytes or memory.codec != codec):
+        if (
+            memory is None
+            or memory.bits != bits
+            or memory.saved_bytes != saved_bytes
+            or memory.stored_bytes != stored_bytes
+            or memory.codec != codec
+        ):
             info = self.info
             memory = self.memory = SlotMemory(info.module, info.shape, bits, saved_bytes, stored_bytes, codec, info.op)
         return memory
@@ -1258,8 +1318,12 @@ class _SharedModuleHooks:
 # call. Where Dynamo traces a module call it still inlines the hooks.
 _NATIVE_FRAME = FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT)
 _NATIVE_CALLS = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
-for _function, _strategy in ((_SharedModuleHooks._enter, _NATIVE_FRAME), (_SharedModuleHooks._entered, _NATIVE_CALLS),
-                             (_SharedModuleHooks._leave, _NATIVE_CALLS), (OpTracker.__torch_function__, _NATIVE_CALLS)):
+for _function, _strategy in (
+    (_SharedModuleHooks._enter, _NATIVE_FRAME),
+    (_SharedModuleHooks._entered, _NATIVE_CALLS),
+    (_SharedModuleHooks._leave, _NATIVE_CALLS),
+    (OpTracker.__torch_function__, _NATIVE_CALLS),
+):
     set_code_exec_strategy(getattr(_function, "__func__", _function).__code__, _strategy)
 
 
@@ -1364,13 +1428,15 @@ def check_compiled_codecs(config: CompressionConfig, rules: SaveRules) -> None:
     if config.codec != "quant":
         raise ValueError(
             f"codec={config.codec!r} is not available inside torch.compile graphs, which store saved "
-            "tensors with codec='quant' only; use codec='quant' with a compiled model, or run it eagerly")
+            "tensors with codec='quant' only; use codec='quant' with a compiled model, or run it eagerly"
+        )
     for key, rule in rules.by_key():
         if rule.codec not in (None, "quant"):
             raise ValueError(
                 f"rules[{key!r}]={rules.rules[key]!r} names codec {rule.codec!r}, which is not available inside "
                 "torch.compile graphs (they store saved tensors with 'quant' only); name bits or 'exact' for a "
-                "compiled model")
+                "compiled model"
+            )
 
 
 def compress_activations(

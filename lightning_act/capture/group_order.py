@@ -73,8 +73,7 @@ def candidate_axes(dense: torch.Tensor, group_size: int) -> list[int]:
     least 2 values after them per row, in a tensor of a few groups."""
     if dense.numel() < 2 * group_size:
         return []
-    return [axis for axis in range(dense.dim() - 1)
-            if dense.shape[axis] >= 2 and dense.shape[axis + 1:].numel() >= 2]
+    return [axis for axis in range(dense.dim() - 1) if dense.shape[axis] >= 2 and dense.shape[axis + 1 :].numel() >= 2]
 
 
 #: The most values a survey reads at a time, whatever the tensor's size.
@@ -96,9 +95,9 @@ def grouped_pieces(dense: torch.Tensor, axis: int | None, group_size: int, piece
         flat = dense.view(-1)
         whole = flat.numel() // group_size * group_size
         for start in range(0, whole, piece):
-            yield flat[start:min(start + piece, whole)].view(-1, group_size)
+            yield flat[start : min(start + piece, whole)].view(-1, group_size)
         return
-    rows, columns = dense.shape[axis], dense.shape[axis + 1:].numel()
+    rows, columns = dense.shape[axis], dense.shape[axis + 1 :].numel()
     matrices = dense.view(-1, rows, columns)
     carry = None
     for values in _column_major_pieces(matrices, piece):
@@ -117,12 +116,12 @@ def _column_major_pieces(matrices: torch.Tensor, piece: int) -> Iterator[torch.T
     if rows * columns <= piece:
         step = piece // (rows * columns)
         for start in range(0, count, step):
-            yield matrices[start:start + step].transpose(1, 2).reshape(-1)
+            yield matrices[start : start + step].transpose(1, 2).reshape(-1)
         return
     step = max(1, piece // rows)
     for matrix in matrices:
         for start in range(0, columns, step):
-            yield matrix[:, start:start + step].t().reshape(-1)
+            yield matrix[:, start : start + step].t().reshape(-1)
 
 
 class GroupOrders:
@@ -164,11 +163,14 @@ class GroupOrders:
         """Memory order's expected noise at ``bits`` and squared ranges, then each of
         ``axes``'s squared ranges, summed on the device."""
         size, piece = self.group_size, survey_piece(dense.numel(), self.group_size)
-        noise = sum(rounding_variance(groups.view(-1), bits, size) for groups in grouped_pieces(dense, None, size, piece))
+        noise = sum(
+            rounding_variance(groups.view(-1), bits, size) for groups in grouped_pieces(dense, None, size, piece)
+        )
         energies = [noise]
         for axis in (None, *axes):
-            energies.append(sum(range_energy(groups.view(-1), size)
-                                for groups in grouped_pieces(dense, axis, size, piece)))
+            energies.append(
+                sum(range_energy(groups.view(-1), size) for groups in grouped_pieces(dense, axis, size, piece))
+            )
         return torch.stack(energies)
 
     def restore(self, axes: dict[str, int | None]) -> None:
@@ -185,7 +187,7 @@ class GroupOrders:
         start = 0
         for slot in slots:
             axes = self._surveys[slot][0]
-            noise, memory, *others = energies[start:start + 2 + len(axes)]
+            noise, memory, *others = energies[start : start + 2 + len(axes)]
             start += 2 + len(axes)
             best = min(range(len(axes)), key=lambda i: others[i])
             # A comparison with NaN (a non-finite activation) is False: memory order.

@@ -217,8 +217,16 @@ class CompressionReport:
     #: Added deltas whose per-module rows are not folded into ``_modules`` yet.
     _unfolded: list[ReportDelta] = field(default_factory=list, repr=False)
 
-    def count(self, module: str, op: str | None, outcome: Outcome, saved: int, stored: int, bits: Any = NO_BITS,
-              codec: str | None = None) -> None:
+    def count(
+        self,
+        module: str,
+        op: str | None,
+        outcome: Outcome,
+        saved: int,
+        stored: int,
+        bits: Any = NO_BITS,
+        codec: str | None = None,
+    ) -> None:
         """Count one tensor of ``module``, saved by ``op``, with ``saved`` bytes more that autograd
         would keep and ``stored`` more stored instead, at ``bits`` (None: exact) by ``codec``:
         in the totals now, in its module's row when the rows are read. Rows are read at a
@@ -275,13 +283,29 @@ class CompressionReport:
         rows = sorted(self.modules.items(), key=lambda kv: (kv[1].saved_bytes, kv[1].stored_bytes), reverse=True)
         shown = rows if max_modules is None else rows[:max_modules]
         cells = [
-            (name, _clip(m.ops_label()), f"{m.saved_bytes / MIB:.3f}", f"{m.stored_bytes / MIB:.3f}",
-             m.ratio_label(), str(m.tensors), m.bits_label(), m.codecs_label())
+            (
+                name,
+                _clip(m.ops_label()),
+                f"{m.saved_bytes / MIB:.3f}",
+                f"{m.stored_bytes / MIB:.3f}",
+                m.ratio_label(),
+                str(m.tensors),
+                m.bits_label(),
+                m.codecs_label(),
+            )
             for name, m in shown
         ]
         tensors = sum(m.tensors for m in self.modules.values())
-        total = ("total", "", f"{self.saved_bytes / MIB:.3f}", f"{self.stored_bytes / MIB:.3f}",
-                 f"{self.ratio:.2f}x", str(tensors), "", "")
+        total = (
+            "total",
+            "",
+            f"{self.saved_bytes / MIB:.3f}",
+            f"{self.stored_bytes / MIB:.3f}",
+            f"{self.ratio:.2f}x",
+            str(tensors),
+            "",
+            "",
+        )
         widths = [max(len(row[i]) for row in [_HEADER, *cells, total]) for i in range(len(_HEADER))]
 
         def line(row: tuple[str, ...]) -> str:
@@ -310,7 +334,11 @@ class CompressionReport:
         """What became of the saved tensors: those in the table, then those alive anyway."""
 
         def counts(counted: bool) -> list[tuple[int, str]]:
-            return [(self.counts[o.value], text) for o, text in _DESCRIPTIONS.items() if o.counted is counted and self.counts.get(o.value)]
+            return [
+                (self.counts[o.value], text)
+                for o, text in _DESCRIPTIONS.items()
+                if o.counted is counted and self.counts.get(o.value)
+            ]
 
         width = max([len(str(n)) for n, _ in counts(True)], default=1)
         lines = [f"{tensors} saved tensors in the table:", *(f"  {n:>{width}}  {text}" for n, text in counts(True))]

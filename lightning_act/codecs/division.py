@@ -33,7 +33,17 @@ class DivisionTensor:
 
     codec = "division"
     __slots__ = (
-        "lfc", "codes", "stats", "bits", "group_size", "height", "width", "block_h", "block_w", "shape", "dtype"
+        "lfc",
+        "codes",
+        "stats",
+        "bits",
+        "group_size",
+        "height",
+        "width",
+        "block_h",
+        "block_w",
+        "shape",
+        "dtype",
     )
 
     def __init__(

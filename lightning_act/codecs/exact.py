@@ -85,7 +85,9 @@ class MaskTensor:
 
     def unpack(self) -> torch.Tensor:
         """The original boolean tensor, bit for bit (a new tensor)."""
-        return unpack_bit_fields(self.packed, 1, planar=True, numel=self.shape.numel()).view(torch.bool).view(self.shape)
+        return (
+            unpack_bit_fields(self.packed, 1, planar=True, numel=self.shape.numel()).view(torch.bool).view(self.shape)
+        )
 
 
 class MaskCodec:
@@ -118,8 +120,13 @@ class SignMaskTensor:
     codec = "sign_mask"
     __slots__ = ("mask", "dtype", "divisor", "interval")
 
-    def __init__(self, mask: MaskTensor, dtype: torch.dtype, divisor: float | None = None,
-                 interval: tuple[float, float] | None = None):
+    def __init__(
+        self,
+        mask: MaskTensor,
+        dtype: torch.dtype,
+        divisor: float | None = None,
+        interval: tuple[float, float] | None = None,
+    ):
         self.mask = mask
         self.dtype = dtype
         self.divisor = divisor
@@ -164,8 +171,14 @@ class SignMaskCodec:
 
     name = "sign_mask"
 
-    def pack(self, dense: torch.Tensor, bits: int, seed: int, divisor: float | None = None,
-             interval: tuple[float, float] | None = None) -> SignMaskTensor:
+    def pack(
+        self,
+        dense: torch.Tensor,
+        bits: int,
+        seed: int,
+        divisor: float | None = None,
+        interval: tuple[float, float] | None = None,
+    ) -> SignMaskTensor:
         """Keep the sign mask of a contiguous float tensor, or whether each value lies strictly
         inside ``interval = (low, high)``.
 
@@ -209,7 +222,11 @@ class IndexTensor:
     def unpack(self) -> torch.Tensor:
         """The original integer tensor, bit for bit (a new tensor)."""
         numel = self.shape.numel()
-        codes = self.codes if self.width in _WIDE_CODE_DTYPES else unpack_bit_fields(self.codes, self.width, planar=True, numel=numel)
+        codes = (
+            self.codes
+            if self.width in _WIDE_CODE_DTYPES
+            else unpack_bit_fields(self.codes, self.width, planar=True, numel=numel)
+        )
         values = codes.to(self.dtype)
         values += self.offset
         return values.view(self.shape)

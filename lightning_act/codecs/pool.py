@@ -48,7 +48,9 @@ class PooledTensor:
 
     def unpack(self) -> torch.Tensor:
         """A new contiguous tensor of the original shape: each tile's mean over the tile."""
-        return upsample_tiles(self.pooled, self.shape[-2], self.shape[-1], self.kernel_h, self.kernel_w).view(self.shape)
+        return upsample_tiles(self.pooled, self.shape[-2], self.shape[-1], self.kernel_h, self.kernel_w).view(
+            self.shape
+        )
 
 
 class PoolCodec:

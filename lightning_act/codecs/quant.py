@@ -6,7 +6,6 @@ import torch
 
 from lightning_act import ops
 
-
 # The ops' overloads, called directly where the kernels are known to be loaded.
 _QUANTIZE_PACK = torch.ops.lightning_act.quantize_pack.default
 _UNPACK_DEQUANTIZE = torch.ops.lightning_act.unpack_dequantize.default
@@ -18,8 +17,16 @@ class QuantizedTensor:
     codec = "quant"
     __slots__ = ("codes", "stats", "bits", "group_size", "shape", "dtype", "matrix")
 
-    def __init__(self, codes, stats, bits: int, group_size: int, shape: torch.Size, dtype: torch.dtype,
-                 matrix: tuple[int, int] = (0, 0)):
+    def __init__(
+        self,
+        codes,
+        stats,
+        bits: int,
+        group_size: int,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        matrix: tuple[int, int] = (0, 0),
+    ):
         self.codes = codes
         self.stats = stats
         self.bits = bits
@@ -40,8 +47,9 @@ class QuantizedTensor:
         # and a step decodes every record (the wrapper's check and the op packet's dispatch
         # were a fifth of a small record's decode).
         rows, columns = self.matrix
-        flat = _UNPACK_DEQUANTIZE(self.codes, self.stats, self.bits, self.group_size, self.shape.numel(), self.dtype,
-                                  rows, columns)
+        flat = _UNPACK_DEQUANTIZE(
+            self.codes, self.stats, self.bits, self.group_size, self.shape.numel(), self.dtype, rows, columns
+        )
         return flat.view(self.shape)
 
 
@@ -70,7 +78,7 @@ class GroupQuantCodec:
         after it, column by column (see :mod:`lightning_act.capture.group_order`)."""
         matrix, source = (0, 0), dense
         if group_axis is not None:
-            matrix = (dense.shape[group_axis], dense.shape[group_axis + 1:].numel())
+            matrix = (dense.shape[group_axis], dense.shape[group_axis + 1 :].numel())
             source = dense.view(-1, *matrix)
         # detached: the record must not hold the autograd graph of what it stores
         ops.ensure_kernels(source.device)

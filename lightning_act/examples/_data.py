@@ -40,7 +40,11 @@ class SplitDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
-            self.train_set, self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers,
+            self.train_set,
+            self.batch_size,
+            shuffle=True,
+            drop_last=True,
+            num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
 

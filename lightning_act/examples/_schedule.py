@@ -24,9 +24,7 @@ def warmup_cosine(optimizer: Optimizer, trainer: pl.Trainer, warmup_steps: int =
     """
     total = trainer.estimated_stepping_batches
     if not math.isfinite(total):
-        raise ValueError(
-            "the cosine schedule needs a finite run: set trainer.max_epochs (>= 0) or trainer.max_steps"
-        )
+        raise ValueError("the cosine schedule needs a finite run: set trainer.max_epochs (>= 0) or trainer.max_steps")
     total = max(int(total), 1)
     warmup = min(warmup_steps, total - 1)
 

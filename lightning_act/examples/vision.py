@@ -115,7 +115,10 @@ class ImageClassifier(pl.LightningModule):
         hp = self.hparams
         if hp.optimizer == "sgd":
             optimizer = torch.optim.SGD(
-                self.parameters(), lr=hp.lr, momentum=hp.momentum, nesterov=hp.momentum > 0,
+                self.parameters(),
+                lr=hp.lr,
+                momentum=hp.momentum,
+                nesterov=hp.momentum > 0,
                 weight_decay=hp.weight_decay,
             )
         else:
@@ -222,8 +225,10 @@ class CIFAR10DataModule(SplitDataModule):
                 jpeg, offsets, labels = packed["jpeg"], packed["offsets"], packed["labels"]
             index = self._subset(len(labels))
             images = np.stack(
-                [np.asarray(Image.open(io.BytesIO(jpeg[offsets[i] : offsets[i + 1]].tobytes())).convert("RGB"))
-                 for i in index]
+                [
+                    np.asarray(Image.open(io.BytesIO(jpeg[offsets[i] : offsets[i + 1]].tobytes())).convert("RGB"))
+                    for i in index
+                ]
             )
             return images, labels[index]
         dataset = torchvision.datasets.CIFAR10(self.data_dir, train=split == "train")

@@ -67,8 +67,14 @@ def quantize_pack(
 
 
 def unpack_dequantize(
-    codes: torch.Tensor, stats: torch.Tensor, bits: int, group_size: int, numel: int, dtype: torch.dtype,
-    rows: int = 0, columns: int = 0,
+    codes: torch.Tensor,
+    stats: torch.Tensor,
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+    rows: int = 0,
+    columns: int = 0,
 ) -> torch.Tensor:
     """Decode :func:`quantize_pack`'s output.
 
@@ -103,7 +109,7 @@ def group_levels(stats: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Te
     one_group, width = every_code(bits, stats.device)
     groups = stats.shape[0]
     decoded = unpack_dequantize(one_group.repeat(groups), stats, bits, width, groups * width, dtype)
-    return decoded.view(groups, width)[:, :1 << bits]
+    return decoded.view(groups, width)[:, : 1 << bits]
 
 
 def every_code(bits: int, device: torch.device | str) -> tuple[torch.Tensor, int]:

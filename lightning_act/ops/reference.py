@@ -204,7 +204,7 @@ def rounding_variance(values: torch.Tensor, bits: int, group_size: int) -> torch
     whole = values.numel() // group_size * group_size
     total = torch.zeros((), dtype=torch.float32, device=values.device)
     for start in range(0, whole, _CHUNK):
-        g = values[start:min(start + _CHUNK, whole)].float().view(-1, group_size)
+        g = values[start : min(start + _CHUNK, whole)].float().view(-1, group_size)
         grid = _group_grid(g, bits)
         # A zero-preserving group's zeros lie below its low: clamped to level 0, exact.
         q = torch.minimum(_levels(g, grid).clamp_min(0.0), grid.levels[:, None])
@@ -239,20 +239,26 @@ def quantize_pack(
     stats_bits = torch.empty(groups, 2, dtype=torch.int32, device=x.device)
     for start in range(0, padded, _CHUNK):
         stop = min(start + _CHUNK, padded)
-        chunk = flat[start:min(stop, n)].float()
+        chunk = flat[start : min(stop, n)].float()
         if chunk.numel() < stop - start:  # last group: repeat the last value, it moves no statistic
             chunk = torch.cat((chunk, chunk[-1:].expand(stop - start - chunk.numel())))
         c, s = _quantize_chunk(chunk, bits, group_size, seed, start)
         codes[start:stop] = c
-        stats_bits[start // group_size:stop // group_size] = s
+        stats_bits[start // group_size : stop // group_size] = s
     codes[n:] = 0
     stats = (stats_bits >> 16).to(torch.int16).view(torch.bfloat16)
     return pack_bit_fields(codes, bits, planar=False), stats
 
 
 def unpack_dequantize(
-    codes: torch.Tensor, stats: torch.Tensor, bits: int, group_size: int, numel: int, dtype: torch.dtype,
-    rows: int = 0, columns: int = 0,
+    codes: torch.Tensor,
+    stats: torch.Tensor,
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+    rows: int = 0,
+    columns: int = 0,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_pack`: a 1-D tensor of ``numel`` values of ``dtype``, in
     memory order; for a column-major pack of ``rows x columns`` matrices, pass both."""
@@ -283,8 +289,10 @@ def lookup_levels(codes: torch.Tensor, levels: torch.Tensor, bits: int, group_si
     for first in range(0, levels.shape[0], groups_per_chunk):
         last = min(first + groups_per_chunk, levels.shape[0])
         start, stop = first * group_size, min(last * group_size, numel)
-        chunk_codes = unpack_bit_fields(codes[first * code_bytes:last * code_bytes], bits, planar=False)[:stop - start]
-        rows = torch.arange(first, last, device=codes.device).repeat_interleave(group_size)[:stop - start]
+        chunk_codes = unpack_bit_fields(codes[first * code_bytes : last * code_bytes], bits, planar=False)[
+            : stop - start
+        ]
+        rows = torch.arange(first, last, device=codes.device).repeat_interleave(group_size)[: stop - start]
         torch.index_select(table, 0, (rows << bits) + chunk_codes.long(), out=looked_up[start:stop])
     return looked_up
 

@@ -93,13 +93,21 @@ def check_quantize_pack(input: torch.Tensor, bits: int, group_size: int, column_
     _check(
         not column_major or input.dim() >= 2,
         "quantize_pack",
-        f"column_major=True reads matrices column by column: input must be at least 2-D; got shape {tuple(input.shape)}",
+        "column_major=True reads matrices column by column: input must be at least 2-D; "
+        f"got shape {tuple(input.shape)}",
     )
 
 
 def check_unpack_dequantize(
-    codes: torch.Tensor, stats: torch.Tensor, bits: int, group_size: int, numel: int, dtype: torch.dtype,
-    op: str = "unpack_dequantize", rows: int = 0, columns: int = 0,
+    codes: torch.Tensor,
+    stats: torch.Tensor,
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+    op: str = "unpack_dequantize",
+    rows: int = 0,
+    columns: int = 0,
 ) -> None:
     """Checks ``unpack_dequantize``'s arguments: codes and stats against each other and ``numel``,
     and the matrices of a column-major pack (``rows`` and ``columns`` both 0, or both
@@ -141,16 +149,25 @@ def check_lookup_levels(codes: torch.Tensor, levels: torch.Tensor, bits: int, gr
     _check(codes.dtype == torch.uint8, op, f"codes dtype is {codes.dtype}; allowed: torch.uint8")
     _check_contiguous(op, "codes", codes)
     _check_float(op, "levels dtype", levels.dtype)
-    _check(levels.dim() == 2 and levels.shape[1] == 1 << bits, op,
-           f"levels must have shape [groups, {1 << bits}] at bits={bits}; got {tuple(levels.shape)}")
+    _check(
+        levels.dim() == 2 and levels.shape[1] == 1 << bits,
+        op,
+        f"levels must have shape [groups, {1 << bits}] at bits={bits}; got {tuple(levels.shape)}",
+    )
     _check_contiguous(op, "levels", levels)
     _check(codes.device == levels.device, op, f"codes are on {codes.device} but levels are on {levels.device}")
     groups = levels.shape[0]
     expected = groups * group_size * bits // 8
-    _check(codes.numel() == expected, op,
-           f"codes hold {codes.numel()} bytes; {groups} groups of {group_size} values at {bits} bits need {expected}")
-    _check(0 <= numel <= groups * group_size, op,
-           f"numel={numel} must be in [0, {groups * group_size}] for {groups} groups of {group_size}")
+    _check(
+        codes.numel() == expected,
+        op,
+        f"codes hold {codes.numel()} bytes; {groups} groups of {group_size} values at {bits} bits need {expected}",
+    )
+    _check(
+        0 <= numel <= groups * group_size,
+        op,
+        f"numel={numel} must be in [0, {groups * group_size}] for {groups} groups of {group_size}",
+    )
 
 
 def _check_blocks(op: str, block_h: int, block_w: int) -> None:

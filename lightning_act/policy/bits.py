@@ -121,7 +121,9 @@ class SaveRules:
         if key not in self._cache:
             # Once per (module, op): every key that matches is noted, so that a key matching
             # nothing (a typo) can be reported.
-            hits = [i for i, (on_op, pattern, _) in enumerate(self._parsed) if _matches(pattern, op if on_op else module)]
+            hits = [
+                i for i, (on_op, pattern, _) in enumerate(self._parsed) if _matches(pattern, op if on_op else module)
+            ]
             keys = list(self.rules)
             self.matched.update(keys[i] for i in hits)
             self._cache[key] = self._parsed[hits[0]][2] if hits else None
@@ -161,7 +163,9 @@ class SaveRules:
                 hint = f"no {kind} name is close; some that exist: " + ", ".join(names[:5])
             else:
                 hint = f"no {kind} names were seen"
-            warnings.warn(f"lightning_act: rules[{key!r}] matched no saved tensor in the first step; {hint}", stacklevel=2)
+            warnings.warn(
+                f"lightning_act: rules[{key!r}] matched no saved tensor in the first step; {hint}", stacklevel=2
+            )
         return unmatched
 
 
@@ -224,9 +228,7 @@ class AllocatedBits(BitPolicy):
         ValueError: a candidate is not allowed.
     """
 
-    def __init__(
-        self, candidates: Sequence[int | str], rules: Mapping[str, int | str] | None, default_bits: int
-    ):
+    def __init__(self, candidates: Sequence[int | str], rules: Mapping[str, int | str] | None, default_bits: int):
         super().__init__(rules)
         self.candidates = [parse_bits(c, "candidates") for c in candidates]
         self.default_bits = default_bits
@@ -249,7 +251,8 @@ class AllocatedBits(BitPolicy):
         sorted: two assignments with the same are the same plan."""
         floors, default = self._floors, self.default_bits
         return sorted(
-            (slot, bits) for slot, bits in assignment.items()
+            (slot, bits)
+            for slot, bits in assignment.items()
             if bits is EXACT or max(bits, floors.get(slot, bits)) != max(default, floors.get(slot, default))
         )
 
@@ -277,7 +280,9 @@ class AllocatedBits(BitPolicy):
         return {"slots": list(self.assignment), "bits": [bits_name(b) for b in self.assignment.values()]}
 
     def load_state_dict(self, state: Mapping) -> None:
-        self.assignment = {s: parse_bits(int(b) if b.isdigit() else b, "bits") for s, b in zip(state["slots"], state["bits"])}
+        self.assignment = {
+            s: parse_bits(int(b) if b.isdigit() else b, "bits") for s, b in zip(state["slots"], state["bits"])
+        }
 
 
 class AdaptiveBits(AllocatedBits):

@@ -145,8 +145,10 @@ class _Blend(Sequence):
         return self._size
 
     def __getitem__(self, index: int):
-        return sum(c * (1.0 if norm is None or norm[index] is None else norm[index])
-                   for c, norm in zip(self._coefficients, self._norms))
+        return sum(
+            c * (1.0 if norm is None or norm[index] is None else norm[index])
+            for c, norm in zip(self._coefficients, self._norms)
+        )
 
 
 class _Subset(Sequence):
@@ -229,8 +231,9 @@ def probe_sensitivities(
         floors = {slot: capture.slots[slot].min_bits for slot in probe.slots}
         # Row i: slot i's rounding noise at each supported width.
         noise = dict(zip(probe.slots, probe.rounding_energies(SUPPORTED_BITS).tolist()))
-        probed = {slot: width for slot in probe.slots
-                  if (width := _probe_width(floors[slot], noise[slot])) is not None}  # else exact at every width
+        probed = {
+            slot: width for slot in probe.slots if (width := _probe_width(floors[slot], noise[slot])) is not None
+        }  # else exact at every width
         if method == "linearized":
             linearized = LinearizedProbe(probe, recorder, loss, params, norms)
             linearized.measure(probed)
@@ -244,15 +247,19 @@ def probe_sensitivities(
         # Energy of each slot's noise at its reference width (2 bits or its floor), relative
         # to the probed width's: the blend weighs the norms at uniform reference widths.
         reference = {slot: max(2, floor) for slot, floor in floors.items()}
-        to_reference = {slot: noise[slot][SUPPORTED_BITS.index(reference[slot])]
-                        / noise[slot][SUPPORTED_BITS.index(width)] for slot, width in probed.items()}
+        to_reference = {
+            slot: noise[slot][SUPPORTED_BITS.index(reference[slot])] / noise[slot][SUPPORTED_BITS.index(width)]
+            for slot, width in probed.items()
+        }
         if method == "linearized":
             routed = [slot for slot in probed if slot not in linearized.unrouted]
             local = {}
             if routed:  # every slot's local errors in one transfer
                 local = dict(zip(routed, torch.stack([linearized.local[slot] for slot in routed]).tolist()))
-            totals = [sum(to_reference[slot] * values[j] for slot, values in (local | measured).items())
-                      for j in range(len(norms))]
+            totals = [
+                sum(to_reference[slot] * values[j] for slot, values in (local | measured).items())
+                for j in range(len(norms))
+            ]
             if len(norms) > 1:
                 totals = [a + b for a, b in zip(totals, linearized.upstream_totals(to_reference).tolist())]
             coefficients = _blend_coefficients(totals, update_share)
@@ -271,8 +278,10 @@ def probe_sensitivities(
                     blended[slot] = sum(c * v for c, v in zip(coefficients, values)) + upstream.get(slot, 0.0)
             del linearized
         if not blended:  # every slot measured whole: the blend's scale from exact totals
-            coefficients = _blend_coefficients([sum(to_reference[slot] * values[j] for slot, values in measured.items())
-                                                for j in range(len(norms))], update_share)
+            coefficients = _blend_coefficients(
+                [sum(to_reference[slot] * values[j] for slot, values in measured.items()) for j in range(len(norms))],
+                update_share,
+            )
         for slot, values in measured.items():
             blended[slot] = sum(c * v for c, v in zip(coefficients, values))
         probe.quantize_only(None, 0)
@@ -304,8 +313,12 @@ def _measure_whole(probe, loss: torch.Tensor, params, norms: list, widths: dict[
     measured = {}
     for slot, width in widths.items():
         probe.quantize_only(slot, width)
-        measured[slot] = energies_of_gradients(params, norms, lambda: torch.autograd.grad(
-            loss, params, retain_graph=True, allow_unused=True), reference=exact).tolist()
+        measured[slot] = energies_of_gradients(
+            params,
+            norms,
+            lambda: torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True),
+            reference=exact,
+        ).tolist()
     probe.quantize_only(None, 0)
     return measured
 

@@ -107,8 +107,10 @@ class ForwardRecorder(TorchFunctionMode):
         for i, t in tensors:
             if (call, i) in self.wanted:
                 if self.shapes[(call, i)] != t.shape:
-                    raise Mismatch(f"output {i} of call {call} has shape {tuple(t.shape)}, "
-                                   f"recorded {tuple(self.shapes[(call, i)])}")
+                    raise Mismatch(
+                        f"output {i} of call {call} has shape {tuple(t.shape)}, "
+                        f"recorded {tuple(self.shapes[(call, i)])}"
+                    )
                 self.on_output(call, i, t.detach())
         return out
 
@@ -143,8 +145,12 @@ def _drop_gradient(gradient: torch.Tensor) -> torch.Tensor:
     return gradient.new_zeros(()).expand(gradient.shape)
 
 
-def energies_of_gradients(params: Sequence[torch.Tensor], norms: list, backward: Callable[[], object],
-                          reference: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+def energies_of_gradients(
+    params: Sequence[torch.Tensor],
+    norms: list,
+    backward: Callable[[], object],
+    reference: Sequence[torch.Tensor | None] | None = None,
+) -> torch.Tensor:
     """Per norm, the summed squared gradient (less ``reference``'s, per parameter) that
     ``backward`` computes for ``params``, each parameter's taken as it arrives and then
     dropped: the energies cost one parameter's gradient at a time, not a copy of all."""
@@ -158,6 +164,7 @@ def energies_of_gradients(params: Sequence[torch.Tensor], norms: list, backward:
             elif reference[index] is not None:
                 totals.add_(norm_energies([(index, (gradient - reference[index]).float())], norms, device))
             return _drop_gradient(gradient)
+
         return hook
 
     handles = [p.register_hook(hook_of(i)) for i, p in enumerate(params)]
@@ -190,8 +197,9 @@ class LinearizedProbe:
     the metadata of what reaches each and which nodes read each slot; a second one calls
     each reader, from its pre-hook, on what reaches it as it runs (step 2)."""
 
-    def __init__(self, probe, recorder: ForwardRecorder, loss: torch.Tensor, params: Sequence[torch.Tensor],
-                 norms: list):
+    def __init__(
+        self, probe, recorder: ForwardRecorder, loss: torch.Tensor, params: Sequence[torch.Tensor], norms: list
+    ):
         self.probe = probe
         self.recorder = recorder
         self.loss = loss
@@ -229,6 +237,7 @@ class LinearizedProbe:
     def _note_arrivals(self, node):
         def hook(grad_outputs):
             self._arriving[node] = [None if g is None else (g.shape, g.dtype, g.device) for g in grad_outputs]
+
         return hook
 
     def _call(self, node, grad_outputs) -> tuple:
@@ -265,13 +274,16 @@ class LinearizedProbe:
                     finally:
                         self.probe.quantize_only(None, 0)
                     errors.setdefault(slot, []).extend(
-                        (edge, n - e) for edge, n, e in zip(node.next_functions, noisy, exact)
-                        if n is not None and e is not None)
+                        (edge, n - e)
+                        for edge, n, e in zip(node.next_functions, noisy, exact)
+                        if n is not None and e is not None
+                    )
                     del exact, noisy
                     waiting[slot] -= 1
                     if not waiting[slot]:  # its last reader: routed now, its copies dropped
                         del decoded[slot]
                         self._route(slot, errors.pop(slot))
+
             return hook
 
         self._backward({node: reads(node) for node in by_reader})
@@ -300,7 +312,9 @@ class LinearizedProbe:
                 # Kept in bfloat16, float32's range at half its bytes: every error is only ever
                 # read in sums of products with other vectors, which its rounding (a 2**-9
                 # relative error per element, unbiased across elements) does not move.
-                self.errors.setdefault(key, []).append((slot, _sum_to(error, self.recorder.shapes[key]).to(ERROR_DTYPE)))
+                self.errors.setdefault(key, []).append(
+                    (slot, _sum_to(error, self.recorder.shapes[key]).to(ERROR_DTYPE))
+                )
                 return True
             arriving = self._arriving.get(node)
             if arriving is None or arriving[output_nr] is None:
@@ -356,19 +370,26 @@ class LinearizedProbe:
             def hook(grad_outputs):
                 grad_outputs = list(grad_outputs)
                 for output_nr, key in by_node[node]:
-                    signed = sum(signs[slot] * math.sqrt(factors[slot]) * error.float() for slot, error in self.errors[key])
+                    signed = sum(
+                        signs[slot] * math.sqrt(factors[slot]) * error.float() for slot, error in self.errors[key]
+                    )
                     arriving = grad_outputs[output_nr]
                     grad_outputs[output_nr] = signed.to(arriving.dtype) + arriving
                 return tuple(grad_outputs)
+
             return hook
 
         outputs = [GradientEdge(*edge) for edge in edges.values()]
-        zeros = [torch.zeros((), device=self.errors[key][0][1].device).expand(
-            self.recorder.shapes[key]) for key in edges]
+        zeros = [
+            torch.zeros((), device=self.errors[key][0][1].device).expand(self.recorder.shapes[key]) for key in edges
+        ]
         handles = [node.register_prehook(injects(node)) for node in by_node]
         try:
-            return energies_of_gradients(self.params, self.norms, lambda: torch.autograd.grad(
-                outputs, self.params, zeros, retain_graph=True, allow_unused=True)).cpu()
+            return energies_of_gradients(
+                self.params,
+                self.norms,
+                lambda: torch.autograd.grad(outputs, self.params, zeros, retain_graph=True, allow_unused=True),
+            ).cpu()
         finally:
             for handle in handles:
                 handle.remove()
@@ -393,8 +414,10 @@ class LinearizedProbe:
         stacked = {}
         for key in list(self.errors):
             entries = self.errors.pop(key)
-            stacked[key] = (torch.tensor([position[slot] for slot, _ in entries], device=entries[0][1].device),
-                            torch.stack([error.reshape(-1) for _, error in entries]))
+            stacked[key] = (
+                torch.tensor([position[slot] for slot, _ in entries], device=entries[0][1].device),
+                torch.stack([error.reshape(-1) for _, error in entries]),
+            )
             del entries
         device = self.params[0].device
         products = torch.zeros(len(slots), dtype=torch.float64, device=device)
@@ -428,12 +451,14 @@ class LinearizedProbe:
                 p.data = value
         return dict(zip(slots, (means / directions).tolist()))
 
-    def _perturb(self, weights: Sequence, generator: torch.Generator, scale: torch.Tensor,
-                 originals: list[torch.Tensor]) -> float | None:
+    def _perturb(
+        self, weights: Sequence, generator: torch.Generator, scale: torch.Tensor, originals: list[torch.Tensor]
+    ) -> float | None:
         """Moves the parameters to ``originals + eps * z`` for a new direction ``z ~ N(0, W)``,
         one parameter at a time, and returns ``eps``. The originals stay as they are (the
         parameters get new tensors): restoring them is exact, and the probe holds one
         perturbed copy of the parameters, not the draws, the steps and a saved copy too."""
+
         def steps():
             for i, (p, value) in enumerate(zip(self.params, originals)):
                 z = torch.randn(p.shape, generator=generator).to(p.device)
@@ -456,5 +481,5 @@ def _float64_products(rows: torch.Tensor, vector: torch.Tensor, chunk: int = 1 <
     small): a finite difference of two such products cancels all but a thousandth of them."""
     total = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
     for start in range(0, vector.numel(), chunk):
-        total += rows[:, start:start + chunk].double() @ vector[start:start + chunk].double()
+        total += rows[:, start : start + chunk].double() @ vector[start : start + chunk].double()
     return total

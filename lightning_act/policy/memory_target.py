@@ -81,8 +81,15 @@ COMPILED_SLOPE = 2.0
 COMPILED_LEAST_SLOPE = 1.0
 
 _UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _AMOUNT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]+)\s*$")
 _FORMS = "bytes (an int), a size such as '20GiB', '512MiB' or '1.5GB', or a fraction in (0, 1] of the device's memory"
@@ -131,23 +138,37 @@ class MemoryTargetError(RuntimeError):
     """A memory target below the least reachable peak of a step."""
 
 
-def unreachable_message(target: object, target_bytes: int, peak: int, lasting_peak: int, step: int,
-                        source: str | None, held: Mapping[str, int], device_type: str) -> str:
+def unreachable_message(
+    target: object,
+    target_bytes: int,
+    peak: int,
+    lasting_peak: int,
+    step: int,
+    source: str | None,
+    held: Mapping[str, int],
+    device_type: str,
+) -> str:
     """Why a target cannot be met: the least reachable peak (``lasting_peak``: step ``step``,
     measured by ``source`` with every tensor at its floor, peaked at ``peak``, and every later
     step at least at ``lasting_peak``, holding what it left) and what occupies it (``held``: bytes by what holds them; the rest is named as backward's buffers
     and temporaries)."""
     parts = dict(held)
     parts["backward's buffers, the optimizer's temporaries and the rest"] = max(lasting_peak - sum(held.values()), 0)
-    later = "" if lasting_peak <= peak else (
-        f", and every later step at least at {lasting_peak / 2**20:.1f} MiB, holding the optimizer state (and "
-        "gradients) this step left")
+    later = (
+        ""
+        if lasting_peak <= peak
+        else (
+            f", and every later step at least at {lasting_peak / 2**20:.1f} MiB, holding the optimizer state (and "
+            "gradients) this step left"
+        )
+    )
     # Lightning's batch-size finder backs off on errors that read as running out of memory.
     oom = "CUDA out of memory" if device_type == "cuda" else "DefaultCPUAllocator: can't allocate memory"
     return (
         f"lightning_act: memory_target={target!r} ({target_bytes / 2**20:.1f} MiB) cannot be met at this batch: "
         f"with every saved tensor at its lowest bits, step {step} peaked at {peak / 2**20:.1f} MiB ({source}){later}: "
-        "the least reachable peak. It holds " + ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in parts.items())
+        "the least reachable peak. It holds "
+        + ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in parts.items())
         + f". Raise the target to at least {lasting_peak / 2**20:.1f} MiB or lower the batch size. Raised as running "
         f"out of memory ({oom}) so that Lightning's batch-size finder backs off."
     )

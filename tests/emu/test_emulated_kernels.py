@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from lightning_act import ops
 from lightning_act.ops import extension
+
 from tests.conftest import DTYPES, assert_same_bits
 from tests.test_ops import random_input
 
@@ -164,9 +164,18 @@ def quant_cases(g: torch.Generator) -> list[QuantCase]:
     # Column-major: matrices shorter and taller than a group, columns ending inside a chunk.
     for index, (rows, columns) in enumerate(((1, 9), (9, 1), (7, 11), (128, 40), (300, 3), (64, 33))):
         matrices = 1 + draw(4)
-        cases.append(QuantCase(DTYPES[index % len(DTYPES)], BITS[index % len(BITS)], (8, 64, 256)[index % 3],
-                               matrices * rows * columns, draw(3), MULTIPROCESSORS[draw(3)], draw(2**62),
-                               (rows, columns)))
+        cases.append(
+            QuantCase(
+                DTYPES[index % len(DTYPES)],
+                BITS[index % len(BITS)],
+                (8, 64, 256)[index % 3],
+                matrices * rows * columns,
+                draw(3),
+                MULTIPROCESSORS[draw(3)],
+                draw(2**62),
+                (rows, columns),
+            )
+        )
     return cases
 
 
@@ -190,8 +199,9 @@ def test_quantize_pack_and_unpack_dequantize(emulator, tmp_path, generator):
         save(codes, Path(f"{base}.cpu_codes"))
         save(stats, Path(f"{base}.cpu_stats"))
         for out_dtype in dict.fromkeys((case.dtype, torch.float32)):
-            decoded = ops.unpack_dequantize(codes, stats, case.bits, case.group_size, case.numel, out_dtype, rows,
-                                            columns)
+            decoded = ops.unpack_dequantize(
+                codes, stats, case.bits, case.group_size, case.numel, out_dtype, rows, columns
+            )
             out = f"{base}.{DTYPE_NAMES[out_dtype]}"
             codes_offset = int(torch.randint(8, (1,), generator=generator))
             lines.append(
