@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 from lightning_act import ActivationCapture, CompressionConfig
-from lightning_act.capture.decide import call_key
+from lightning_act.capture.call_sites import call_key
 from lightning_act.capture.records import Compressed, Layout
 from lightning_act.codecs import GroupQuantCodec
 from torch import nn
@@ -100,12 +100,12 @@ def main():
     config = CompressionConfig(bits=2, min_numel=1)
     capture = ActivationCapture(config, model)
     hooks_only = ActivationCapture(config, model)
-    hooks_only._pack = torch.Tensor.detach  # every save passes through: the mechanism alone
+    hooks_only.pack = torch.Tensor.detach  # every save passes through: the mechanism alone
     codec = GroupQuantCodec(config.group_size)
     codec_only = ActivationCapture(config, model)
-    codec_only._pack = CodecOnlyHook(codec, config.bits)
+    codec_only.pack = CodecOnlyHook(codec, config.bits)
     signed = ActivationCapture(config, model)
-    signed._pack = CodecOnlyHook(codec, config.bits, signed._tracker)
+    signed.pack = CodecOnlyHook(codec, config.bits, signed._tracker)
     sessions = {"plain": None, "hooks": hooks_only, "codec_only": codec_only, "signed": signed, "capture": capture}
 
     def step(run: nn.Module, session: ActivationCapture | None) -> None:
@@ -115,8 +115,8 @@ def main():
         else:
             loss = run(x).sum()
         loss.backward()
-        if session is not None and isinstance(session._pack, CodecOnlyHook):
-            session._pack.stored.clear()
+        if session is not None and isinstance(session.pack, CodecOnlyHook):
+            session.pack.stored.clear()
 
     def round_ms(run: nn.Module, session: ActivationCapture | None) -> float:
         started = time.perf_counter()

@@ -317,7 +317,7 @@ class CodecFloor(Compression):
 
     def start(self, workload: Workload) -> None:
         # Row quantizers are made on first use, so the ones the warm-up step made are swapped here.
-        for codec in [*self.capture._codecs.values(), *self.capture._row_codecs.values()]:
+        for codec in [*self.capture.store._codecs.values(), *self.capture.store._row_codecs.values()]:
             if isinstance(codec, GroupQuantCodec):
                 codec.pack = _unwritten_pack(codec)
         super().start(workload)

@@ -1,9 +1,5 @@
-// DIVISION's ops (division_pack / division_unpack): argument checks and output allocation
-// shared by the CPU and CUDA kernels; the per-tile math is in division_math.h.
-//
-// The storage format and the pure-PyTorch oracle live in lightning_act/ops/reference.py. The
-// residual is quantized with the per-value math of quant_math.h, so a DIVISION residual is
-// stored exactly as quantize_pack stores a float32 tensor.
+// division_pack / division_unpack argument checks and output allocation (CPU and CUDA). The
+// residual is stored exactly as quantize_pack stores a float32 tensor (ops/reference.py).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -37,8 +33,6 @@ inline void check_division_pack_args(const at::Tensor& input, int64_t block_h, i
               "; allowed: BFloat16, Half, Float");
 }
 
-// Checks the LFC against the plane size; the residual's codes and stats are checked by
-// check_decode_args.
 inline void check_division_unpack_args(const at::Tensor& lfc, const at::Tensor& codes, const at::Tensor& stats,
                                        int64_t height, int64_t width, int64_t block_h, int64_t block_w, int64_t bits,
                                        int64_t group_size, at::ScalarType dtype) {
@@ -56,8 +50,7 @@ inline void check_division_unpack_args(const at::Tensor& lfc, const at::Tensor& 
   check_decode_args(codes, stats, bits, group_size, lfc.size(0) * height * width, dtype);
 }
 
-// Checks division_pack's arguments and allocates its outputs (lfc, codes, stats),
-// uninitialized: the C++ side of the op's fake in lightning_act/ops/schemas.py.
+// Uninitialized (lfc, codes, stats): the C++ side of the op's fake in ops/schemas.py.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> division_pack_outputs(const at::Tensor& input, int64_t block_h,
                                                                             int64_t block_w, int64_t bits,
                                                                             int64_t group_size,
@@ -69,7 +62,6 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> division_pack_outputs(cons
           stats};
 }
 
-// Checks division_unpack's arguments and allocates its output, uninitialized.
 inline at::Tensor division_unpack_output(const at::Tensor& lfc, const at::Tensor& codes, const at::Tensor& stats,
                                          int64_t height, int64_t width, int64_t block_h, int64_t block_w, int64_t bits,
                                          int64_t group_size, at::ScalarType dtype) {

@@ -1,12 +1,6 @@
-// CPU kernels of lightning_act::division_pack and lightning_act::division_unpack.
-//
-// Packing takes two parallel passes: the tile means (the LFC), then the residual groups,
-// which quant_cpu.h's group encoder encodes the way it encodes quantize_pack's. Groups need
-// LFC values of tiles that other tasks of the first pass computed, hence two passes rather
-// than one. Unpacking adds the LFC back to the residuals quant_cpu.h's decoder reads.
-//
-// Both passes over the elements walk them row by row against the row's upsampled LFC (each
-// column's tile mean), so the subtraction and the addition are plain vectorised loops.
+// CPU division_pack / division_unpack. Packing: tile means (LFC), then residual groups via
+// quant_cpu.h (two passes, since a group needs LFC values other tasks compute). Element
+// passes run row by row against the row's upsampled LFC, so they vectorise.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -22,9 +16,8 @@
 namespace lightning_act {
 namespace {
 
-// One parallel task of the tile means: tile rows [first, last) of all planes. Each tile is
-// summed row by row, left to right, as tile_mean (division.h) sums it; the tiles of a tile
-// row are summed side by side, which overlaps their additions without reordering any.
+// Tile means of tile rows [first, last). Each tile sums in tile_mean's order; a tile row's
+// tiles sum side by side, overlapping additions without reordering any.
 template <typename scalar_t, typename lfc_t>
 struct TileMeansTask {
   const scalar_t* input;
@@ -62,9 +55,8 @@ struct TileMeansTask {
   }
 };
 
-// The float32 LFC of one row of the [planes, height, width] tensor (rows numbered across
-// planes), upsampled to the row's width. Rebuilt only when a row of another tile row is
-// asked for, so the rows of a tile row share one build.
+// A row's float32 LFC upsampled to the width (rows numbered across planes); rebuilt only
+// when the tile row changes.
 class UpsampledRow {
  public:
   UpsampledRow(const float* lfc, const TileGeometry& geometry) : lfc_(lfc), geometry_(geometry) {}
@@ -92,8 +84,7 @@ class UpsampledRow {
   int64_t tile_row_ = -1;
 };
 
-// Calls fn(row, column, offset, length) for each run of elements [start + offset, start +
-// offset + length) that lies in one row, in order.
+// Calls fn(row, column, offset, length) per single-row run of [start, start + count).
 template <typename Fn>
 LIGHTNING_ACT_ALWAYS_INLINE void for_each_row_run(int64_t start, int64_t count, int64_t width, Fn&& fn) {
   int64_t row = start / width;
@@ -105,7 +96,6 @@ LIGHTNING_ACT_ALWAYS_INLINE void for_each_row_run(int64_t start, int64_t count, 
   }
 }
 
-// division_pack's GroupSource: each element minus the LFC value of its tile.
 template <typename scalar_t>
 struct ResidualGroups {
   const scalar_t* input;
@@ -125,7 +115,6 @@ struct ResidualGroups {
   }
 };
 
-// division_unpack's GroupSink: each decoded residual plus the LFC value of its tile.
 template <typename scalar_t>
 struct ReconstructedGroups {
   scalar_t* output;
@@ -162,7 +151,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> division_pack_cpu(const at::Tenso
       parallel_tasks(lfc.size(0) * geometry.tiles_h, geometry.block_h * geometry.width, task);
     });
   });
-  // The residual is taken against the LFC as stored, so its rounding lands in the residual.
+  // Residual against the LFC as stored, so its rounding lands in the residual.
   const at::Tensor lfc_float = lfc.to(at::kFloat);
   LIGHTNING_ACT_DISPATCH_FLOAT_TYPES(input.scalar_type(), "division_pack_cpu", [&] {
     const ResidualGroups<scalar_t> source{input.const_data_ptr<scalar_t>(), geometry.width,

@@ -1,8 +1,4 @@
-// CUDA ops lightning_act::division_pack and lightning_act::division_unpack.
-//
-// Packing runs two kernels: division_kernels.cuh's tile means compute the LFC, then the
-// group encoder encodes the residual groups the way it encodes quantize_pack's; unpacking
-// runs the chunk decoder, which adds the decoded residual back to the LFC.
+// CUDA division_pack (tile means, then the group encoder on residuals) / division_unpack.
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -33,7 +29,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> division_pack_cuda(const at::Tens
                                        lfc.mutable_data_ptr<scalar_t>(), c10::cuda::getCurrentCUDAStream()));
     });
   });
-  // The residual is taken against the LFC as stored, so its rounding lands in the residual.
+  // Residual against the LFC as stored, so its rounding lands in the residual.
   const at::Tensor lfc_float = lfc.to(at::kFloat);
   LIGHTNING_ACT_DISPATCH_FLOAT_TYPES(input.scalar_type(), "division_pack_cuda", [&] {
     const ResidualChunks<scalar_t> source{input.const_data_ptr<scalar_t>(), lfc_float.const_data_ptr<float>(),

@@ -1,9 +1,5 @@
-// The CUDA kernels of division_pack / division_unpack beyond quant_kernels.cuh's: the tile
-// means (the LFC), and the ChunkSource and ChunkSink through which the group encoder and
-// chunk decoder read and write the residual.
-//
-// Device code and the CUDA runtime API only, no ATen or c10 header, like quant_kernels.cuh:
-// division_cuda.cu starts these on tensors, tests/emu runs the same text on the CPU.
+// DIVISION's CUDA tile-means kernel and residual ChunkSource/ChunkSink. No ATen/c10 headers
+// (tests/emu runs this on the CPU).
 #pragma once
 
 #include <cstdint>
@@ -14,8 +10,7 @@
 
 namespace lightning_act {
 
-// One thread per tile: the tile's pixels are summed in the format's fixed order, which one
-// thread can follow and a tree reduction could not.
+// One thread per tile: the format fixes the summation order, which a tree reduction breaks.
 template <typename scalar_t, typename lfc_t>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     tile_means_kernel(const scalar_t* __restrict__ input, int64_t tiles, TileGeometry geometry,
@@ -31,8 +26,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   }
 }
 
-// Writes the `tiles` tile means of `input`, [planes, height, width] tiled by `geometry`, to
-// `lfc` on `stream`.
 template <typename scalar_t, typename lfc_t>
 cudaError_t launch_tile_means(const scalar_t* input, int64_t tiles, const TileGeometry& geometry, lfc_t* lfc,
                               cudaStream_t stream) {
@@ -46,7 +39,6 @@ cudaError_t launch_tile_means(const scalar_t* input, int64_t tiles, const TileGe
   return cudaGetLastError();
 }
 
-// division_pack's ChunkSource: each element minus the LFC value (as float32) of its tile.
 template <typename scalar_t>
 struct ResidualChunks {
   const scalar_t* input;
@@ -71,7 +63,6 @@ struct ResidualChunks {
   }
 };
 
-// division_unpack's ChunkSink: each decoded residual plus the LFC value of its tile.
 template <typename scalar_t>
 struct ReconstructedChunks {
   const float* lfc;

@@ -1,7 +1,4 @@
-// DIVISION's per-tile math, shared by the CPU and CUDA kernels and free of ATen, so the
-// CUDA kernels that use it also compile as plain C++ (tests/emu runs them on the CPU).
-//
-// The storage format and the pure-PyTorch oracle live in lightning_act/ops/reference.py.
+// DIVISION's per-tile math for CPU and CUDA; ATen-free so tests/emu can compile it as C++.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +7,6 @@
 
 namespace lightning_act {
 
-// How the planes of a [planes, height, width] tensor are tiled.
 struct TileGeometry {
   int64_t height;
   int64_t width;
@@ -25,9 +21,8 @@ inline TileGeometry make_geometry(int64_t height, int64_t width, int64_t block_h
                       (width + block_w - 1) / block_w};
 }
 
-// The LFC entry (index into lfc[planes, tiles_h, tiles_w]) of element `index` of a
-// [planes, height, width] tensor, advanced one element at a time: a run of consecutive
-// elements costs one set of divisions, not one per element.
+// LFC entry of element `index` of [planes, height, width], advanced element by element so a
+// run costs one set of divisions.
 struct TileCursor {
   int64_t row;
   int64_t column;
@@ -73,8 +68,8 @@ struct TileCursor {
   }
 };
 
-// The float32 mean of one tile (reference: ops/reference.py _tile_means): the sum starts at
-// +0.0 and adds the tile's real pixels row by row, left to right, then divides once.
+// Tile mean as reference._tile_means, bit for bit: sum from +0.0 row by row, left to right,
+// then one division.
 template <typename scalar_t>
 LIGHTNING_ACT_HD float tile_mean(const scalar_t* plane, const TileGeometry& geometry, int64_t tile_row,
                                  int64_t tile_column) {

@@ -1,19 +1,8 @@
-// The host side of lightning_act::pack_saved and lightning_act::unpack_saved, the ops a
-// compiled graph calls for each tensor it saves for backward, for CPU and CUDA tensors.
-//
-// They run once per saved tensor per step, so the common case stays in C++: a plan the
-// Python implementation (lightning_act/capture/compiled.py) has already handled once and
-// registered here as a "packer" (groups in memory order or along a decided axis, a mask,
-// integers in fewer bits) is packed with the next seed of the graph seed stream, counted,
-// and its stats kept for the session's report, all without Python; so is a registered
-// plan's tensor whose storage the session keeps alive anyway (its batch), which is handed
-// back as it is. Everything else goes to that Python implementation, through the ops
-// pack_saved_python / unpack_saved_python: plans not registered yet (the first call of each,
-// a survey still running), and any call while no session is capturing. Python reads the
-// counts at the end of the session (graph_native_drain).
-//
-// The quantizer is called through the dispatcher, so a CUDA tensor goes to the CUDA kernels
-// (or to the reference where they did not build), exactly as from Python.
+// pack_saved / unpack_saved, which a compiled graph calls per saved tensor per step (CPU and
+// CUDA). Plans registered by lightning_act/capture/compiled.py as packers/decoders run here
+// without Python (seeded, counted, stats kept; kept-alive inputs handed back unwritten);
+// everything else goes to pack_saved_python / unpack_saved_python. Python reads the counts
+// via graph_native_drain. Kernels are called through the dispatcher, as from Python.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -33,18 +22,21 @@
 namespace lightning_act {
 namespace {
 
-// What a plan stores: Plan.form of lightning_act.capture.compiled. A derivative save packs as
-// a quantized one (kQuant) and decodes as kDerivative: back to the input on the derivative's
-// branch whose derivative is the decoded value. kCopy: an exact copy of a view's own values.
-enum Form : int64_t { kQuant = 0, kMask = 1, kIndex = 2, kDerivative = 3, kCopy = 4 };
+// The forms the native path stores, from the names of lightning_act.capture.decide.Form the plans
+// carry. A derivative save packs as kQuant and decodes as kDerivative (inverted back to the input).
+enum Form : int64_t { kQuant, kMask, kIndex, kDerivative, kCopy };
 
-// How a registered plan packs: quantized (``axis`` -1 for memory order; ``along_axis``
-// plans, surveyed or given an axis, return a third part, the matrices (rows, columns) the
-// groups were read as), a mask 8
-// values to a byte, or integers as ``value - offset`` in ``bits`` (IndexCodec's layout).
-// Masks and narrow integers go in lightning_act.ops.layout's planar bit fields. A
-// ``kept_only`` plan (its survey undecided) serves only inputs kept alive, which it hands
-// back unwritten.
+Form form_named(c10::string_view name) {
+  if (name == "quantize") return kQuant;
+  if (name == "mask") return kMask;
+  if (name == "index") return kIndex;
+  if (name == "copy") return kCopy;
+  TORCH_CHECK(false, "lightning_act: no native path stores the form '", std::string(name), "'");
+}
+
+// A registered plan: quantized (``axis`` -1 for memory order; ``along_axis`` plans add a third
+// part, the (rows, columns) read), a mask, or integers as ``value - offset`` in ``bits``
+// (IndexCodec's layout, planar bit fields). ``kept_only`` plans serve only kept-alive inputs.
 struct Packer {
   int64_t id;
   bool kept_only;
@@ -58,11 +50,9 @@ struct Packer {
   int64_t offset;
 };
 
-// A kDerivative decoder's inverse of the derivative h, as
-// lightning_act.backward_reads.PointwiseDerivative.restore_quantized applies it: each
-// group's 2**bits decoded levels (``level_codes``, one group holding every code, decoded
-// with the group's stats) put through the inverse (a _Grid, uniform in h: piece ``j``
-// starts at ``low + j * step``), then every value read from its group's row by its code.
+// A kDerivative decoder's inverse of h (PointwiseDerivative.restore_quantized in
+// lightning_act.backward_reads): a _Grid uniform in h, piece ``j`` starting at
+// ``low + j * step``. ``level_codes`` is one group holding every code.
 struct Inverse {
   at::Tensor level_codes;
   int64_t level_width = 0;
@@ -84,17 +74,15 @@ struct Decoder {
 struct State {
   std::mutex mutex;
   bool active = false;
-  // Which decisions the capturing session follows (its model's group axes): a packer
-  // registered under another token goes back to Python, which registers it anew.
+  // The capturing session's decisions; packers of another token go back to Python.
   int64_t token = 0;
   std::unordered_set<int64_t> external_storages;
   uint64_t seed_base = 0;
   uint64_t seed_count = 0;
   std::unordered_map<std::string, Packer> packers;
   std::unordered_map<std::string, Decoder> decoders;
-  // The first parts of the saves handed back unwritten, each with the input it stands for
-  // (kept alive anyway: unpack returns it). An entry goes when its part has died, looked
-  // for at each new entry, drain and session change.
+  // First part of each save handed back unwritten -> the input unpack returns. Dead entries
+  // are dropped at each new entry, drain and session change.
   std::unordered_map<const c10::TensorImpl*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, at::Tensor>>
       kept_parts;
   std::vector<int64_t> counts;  // by packer id, since the last drain
@@ -108,8 +96,7 @@ State& state() {
   return instance;
 }
 
-// The chunks PointwiseDerivative.restore inverts a table in (lightning_act.backward_reads
-// _chunks): at most kMaxChunks, of at least kMinChunk values.
+// Chunking of PointwiseDerivative.restore (backward_reads._chunks); must match for bit-exactness.
 constexpr int64_t kMinChunk = 1 << 14, kMaxChunks = 16;
 
 // The same mixer as lightning_act.capture.engine.splitmix64.
@@ -120,7 +107,6 @@ uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// The input an unwritten part stands for; undefined for any other part.
 at::Tensor kept_input_locked(State& s, const at::Tensor& part) {
   if (s.kept_parts.empty()) return {};
   const auto found = s.kept_parts.find(part.unsafeGetTensorImpl());
@@ -149,8 +135,7 @@ int64_t next_seed_locked(State& s) {
   return static_cast<int64_t>(splitmix64(s.seed_base + s.seed_count) >> 1);
 }
 
-// Whether sizes and strides fill one run of memory with no gap and no overlap (any
-// permutation of dense): lightning_act.capture.compiled._memory_order.
+// Whether the layout is a permutation of dense (compiled._memory_order).
 bool memory_order(at::IntArrayRef size, at::IntArrayRef stride) {
   int64_t contiguous = 1;  // the common case first: row-major
   bool row_major = true;
@@ -172,9 +157,7 @@ bool memory_order(at::IntArrayRef size, at::IntArrayRef stride) {
   return true;
 }
 
-// x's values in the order restore() puts them back in: lightning_act.capture.compiled._flat
-// (the quantizer reads a contiguous tensor of any shape as its values in order; other
-// encoders view it as 1-D).
+// x's values in the order restore() puts them back in (compiled._flat).
 at::Tensor flat(const at::Tensor& x) {
   if (x.is_contiguous()) return x;
   if (memory_order(x.sizes(), x.strides())) return x.as_strided({x.numel()}, {1});
@@ -209,10 +192,8 @@ lookup_levels_op() {
   return op;
 }
 
-// ``values`` (1-D) put through the inverse a chunk at a time and written over them:
-// PointwiseDerivative.restore (lightning_act.backward_reads), op for op and chunk for chunk, so
-// the values are Python's bit for bit. Whole, the temporaries (positions, pieces, two
-// gathered lines) would be four more copies of ``values`` at once.
+// Inverts 1-D ``values`` in place, chunked to bound temporaries: PointwiseDerivative.restore
+// op for op and chunk for chunk, so bit-identical to Python.
 void invert_in_place(const Inverse& inverse, const at::Tensor& values) {
   const int64_t pieces = inverse.starts.numel();
   const double scale = inverse.step > 0 ? 1 / inverse.step : 0.0;
@@ -228,11 +209,8 @@ void invert_in_place(const Inverse& inverse, const at::Tensor& values) {
   }
 }
 
-// The input a derivative save stands for, in memory order: PointwiseDerivative.restore_quantized
-// (lightning_act.backward_reads), op for op. Each group's levels (ops.group_levels) inverted
-// and read back by code (lookup_levels); where a group has at least as many levels as values
-// (8 bits in groups of 256), the decoded values inverted themselves, as many inversions
-// without a table of levels beside them.
+// PointwiseDerivative.restore_quantized op for op: each group's levels inverted, then read
+// back by code (lookup_levels); with at least as many levels as values, the values directly.
 at::Tensor decode_derivative(const Decoder& decoder, const at::Tensor& codes, const at::Tensor& stats, int64_t numel,
                              at::ScalarType dtype) {
   const Inverse& inverse = decoder.inverse;
@@ -250,16 +228,13 @@ at::Tensor decode_derivative(const Decoder& decoder, const at::Tensor& codes, co
   return lookup_levels_op().call(codes, table.view({groups, levels}), decoder.bits, decoder.group_size, numel);
 }
 
-// The tensor of sizes and strides ``size`` and ``stride`` from its values in memory order:
-// _restore() of lightning_act.capture.compiled.
+// compiled._restore: the tensor of ``size`` and ``stride`` from its values in memory order.
 at::Tensor restore(const at::Tensor& flat_values, at::IntArrayRef size, at::IntArrayRef stride) {
   if (memory_order(size, stride)) return flat_values.as_strided(size, stride);
   return at::empty_strided(size, stride, flat_values.options()).copy_(flat_values.view(size));
 }
 
-// uint8 codes below 2**bits, packed 8 / bits to a byte in planar bit fields:
-// pack_bit_fields(codes, bits, planar=True) of lightning_act.ops.layout, op for op, so the
-// bytes are the same.
+// ops.layout.pack_bit_fields(codes, bits, planar=True), op for op, so the bytes match.
 at::Tensor pack_bit_fields(at::Tensor codes, int64_t bits) {
   if (bits == 8) return codes;
   const int64_t per_byte = 8 / bits;
@@ -273,7 +248,6 @@ at::Tensor pack_bit_fields(at::Tensor codes, int64_t bits) {
   return packed;
 }
 
-// pack_bit_fields' inverse: unpack_bit_fields(packed, bits, planar=True, numel).
 at::Tensor unpack_bit_fields(const at::Tensor& packed, int64_t bits, int64_t numel) {
   if (bits == 8) return packed.narrow(0, 0, numel);
   const int64_t per_byte = 8 / bits;
@@ -286,27 +260,25 @@ at::Tensor unpack_bit_fields(const at::Tensor& packed, int64_t bits, int64_t num
   return codes.narrow(0, 0, numel);
 }
 
-// The widths whose codes are signed integers of their own (IndexCodec's _WIDE_CODE_DTYPES).
+// IndexCodec's _WIDE_CODE_DTYPES.
 bool wide_index(int64_t bits) { return bits == 16 || bits == 32; }
 
-// IndexCodec.pack of lightning_act.codecs.exact for an integer tensor whose values lie in
-// [offset, offset + 2**bits), op for op: narrow codes keep the value mod 256 (uint8
-// conversion and subtraction both wrap), wide ones are centred in a signed dtype.
+// codecs.exact IndexCodec.pack, op for op: narrow codes wrap mod 256, wide ones use a signed dtype.
 at::Tensor pack_index(const at::Tensor& input, int64_t bits, int64_t offset) {
   const at::Tensor values = flat(input).view({-1});
   if (wide_index(bits)) return (values - offset).to(bits == 16 ? at::kShort : at::kInt);
   return pack_bit_fields(values.to(at::kByte) - ((offset % 256) + 256) % 256, bits);
 }
 
-// IndexTensor.unpack: the integers pack_index stored, in ``dtype``, in memory order.
+// IndexTensor.unpack.
 at::Tensor unpack_index(const at::Tensor& codes, int64_t bits, int64_t offset, int64_t numel, at::ScalarType dtype) {
   at::Tensor values = (wide_index(bits) ? codes : unpack_bit_fields(codes, bits, numel)).to(dtype);
   values += offset;
   return values;
 }
 
-// Parts of the packer's sizes, unwritten: what a kept-alive input's save returns (the graph
-// checks its outputs' sizes), all unpack needs being the first part's identity.
+// Unwritten parts of the right sizes for a kept-alive input (the graph checks sizes; unpack
+// only needs the first part's identity).
 std::vector<at::Tensor> unwritten_parts(const Packer& packer, const at::Tensor& input) {
   const auto options = input.options();
   if (packer.form == kMask) return {at::empty({(input.numel() + 7) / 8}, options.dtype(at::kByte))};
@@ -349,7 +321,7 @@ std::vector<at::Tensor> pack_saved(const at::Tensor& input, c10::string_view pla
     native = found != s.packers.end() && found->second.numel == input.numel() && found->second.token == s.token;
     if (native) {
       packer = found->second;
-      // A copy's part is as large as its input: an input kept alive is copied all the same.
+      // A copy is as large as its input, so a kept-alive input is copied all the same.
       kept_alive = packer.form != kCopy &&
                    s.external_storages.count(reinterpret_cast<int64_t>(input.storage().data())) > 0;
       native = kept_alive || !packer.kept_only;
@@ -376,8 +348,7 @@ std::vector<at::Tensor> pack_saved(const at::Tensor& input, c10::string_view pla
     auto [codes, stats] = quantize_pack_op().call(flat(input), packer.bits, packer.group_size, seed, false);
     parts = {codes, stats};
   } else {
-    // Groups along ``axis``: the input read as matrices of its size by the product of the
-    // later sizes, column by column (such a plan's input is contiguous).
+    // Groups along ``axis``: matrices size(axis) x (later sizes), read column by column.
     int64_t rows = 0, columns = 0;
     at::Tensor source = input;
     if (packer.axis >= 0 && packer.axis < input.dim() - 1) {
@@ -401,9 +372,7 @@ std::vector<at::Tensor> pack_saved(const at::Tensor& input, c10::string_view pla
   return parts;
 }
 
-// Sizes and strides as SymInt lists: a graph's Python wrapper passes them as integer lists,
-// inductor's C++ wrapper (``cpp_wrapper``, AOTInductor) as lists of SymInts; both are
-// concrete when the kernel runs.
+// SymInt sizes for inductor's cpp_wrapper / AOTInductor; concrete when the kernel runs.
 at::Tensor unpack_saved(at::TensorList parts, c10::SymIntArrayRef sym_size, c10::SymIntArrayRef sym_stride,
                         at::ScalarType dtype, c10::string_view plan) {
   State& s = state();
@@ -413,8 +382,7 @@ at::Tensor unpack_saved(at::TensorList parts, c10::SymIntArrayRef sym_size, c10:
     std::lock_guard<std::mutex> lock(s.mutex);
     at::Tensor kept = kept_input_locked(s, parts[0]);
     if (kept.defined()) {
-      // An input kept alive, with the saved tensor's sizes and strides: a plan may pack a
-      // view of it (a channels-last tensor's memory order as a matrix).
+      // A kept-alive input, viewed as the saved tensor (a plan may pack a view of it).
       const at::IntArrayRef size = C10_AS_INTARRAYREF_SLOW(sym_size);
       if (kept.sizes() == size) return kept;
       return kept.as_strided(size, C10_AS_INTARRAYREF_SLOW(sym_stride), kept.storage_offset());
@@ -423,7 +391,7 @@ at::Tensor unpack_saved(at::TensorList parts, c10::SymIntArrayRef sym_size, c10:
     native = found != s.decoders.end();
     if (native) decoder = found->second;
   }
-  // A derivative decoder serves the device its inverse lives on.
+  // A derivative decoder serves only its inverse's device.
   native = native && (decoder.form != kDerivative || decoder.inverse.starts.device() == parts[0].device());
   if (!native) return unpack_saved_python(parts, sym_size, sym_stride, dtype, plan);
   const at::IntArrayRef size = C10_AS_INTARRAYREF_SLOW(sym_size), stride = C10_AS_INTARRAYREF_SLOW(sym_stride);
@@ -477,18 +445,19 @@ int64_t native_next_seed() {
   return next_seed_locked(s);
 }
 
-void native_packer(c10::string_view plan, int64_t id, bool kept_only, int64_t form, int64_t bits, int64_t group_size,
-                   int64_t axis, bool along_axis, int64_t numel, int64_t token, int64_t offset) {
+void native_packer(c10::string_view plan, int64_t id, bool kept_only, c10::string_view form, int64_t bits,
+                   int64_t group_size, int64_t axis, bool along_axis, int64_t numel, int64_t token, int64_t offset) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.packers[std::string(plan)] = Packer{id, kept_only, form, bits, group_size, axis, along_axis, numel, token, offset};
+  s.packers[std::string(plan)] =
+      Packer{id, kept_only, form_named(form), bits, group_size, axis, along_axis, numel, token, offset};
 }
 
-void native_decoder(c10::string_view plan, int64_t form, int64_t bits, int64_t group_size, bool along_axis,
+void native_decoder(c10::string_view plan, c10::string_view form, int64_t bits, int64_t group_size, bool along_axis,
                     int64_t offset) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.decoders[std::string(plan)] = Decoder{form, offset, bits, group_size, along_axis, {}};
+  s.decoders[std::string(plan)] = Decoder{form_named(form), offset, bits, group_size, along_axis, {}};
 }
 
 void native_derivative_decoder(c10::string_view plan, int64_t bits, int64_t group_size, const at::Tensor& level_codes,
@@ -506,7 +475,7 @@ void native_kept(const at::Tensor& part, const at::Tensor& input) {
   keep_locked(s, part, input);
 }
 
-// (packer id, count) pairs flattened, of the packers counted; the counts reset.
+// Flattened (packer id, count) pairs of nonzero counts; resets the counts.
 std::vector<int64_t> drain_counts(std::vector<int64_t>& counts) {
   std::vector<int64_t> drained;
   for (size_t id = 0; id < counts.size(); ++id) {
@@ -519,10 +488,8 @@ std::vector<int64_t> drain_counts(std::vector<int64_t>& counts) {
   return drained;
 }
 
-// What was done here since the last drain: the counts of saves packed and of those handed
-// back unwritten, and the packed tensors' stats: with ``each``, every one with its packer id
-// (an estimator reads them); without, concatenated per device (all the non-finite check
-// needs: one tensor for Python to read, not one per packed tensor).
+// Counts (packed, kept) and stats since the last drain: with ``each``, per tensor with packer
+// ids; otherwise concatenated per device (enough for the non-finite check).
 std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>> native_drain(
     bool each) {
   State& s = state();
@@ -565,10 +532,10 @@ TORCH_LIBRARY_FRAGMENT(lightning_act, m) {
   m.def("graph_native_external(int storage) -> ()", &native_external);
   m.def("graph_native_seeds(int base, int count) -> ()", &native_seeds);
   m.def("graph_native_next_seed() -> int", &native_next_seed);
-  m.def("graph_native_packer(str plan, int id, bool kept_only, int form, int bits, int group_size, int axis, "
+  m.def("graph_native_packer(str plan, int id, bool kept_only, str form, int bits, int group_size, int axis, "
         "bool along_axis, int numel, int token, int offset) -> ()",
         &native_packer);
-  m.def("graph_native_decoder(str plan, int form, int bits, int group_size, bool along_axis, int offset) -> ()",
+  m.def("graph_native_decoder(str plan, str form, int bits, int group_size, bool along_axis, int offset) -> ()",
         &native_decoder);
   m.def("graph_native_derivative_decoder(str plan, int bits, int group_size, Tensor level_codes, int level_width, "
         "float low, float step, Tensor starts, Tensor slopes) -> ()",

@@ -1,14 +1,7 @@
-// Live CPU tensor memory: the bytes held by tensors now and at most since a reset, as
-// torch.cuda.memory_allocated and max_memory_allocated count them on a GPU. A CPU step's
-// resident high-water mark also counts what the C allocator keeps for reuse, so it cannot
-// tell whether a plan fits a target; this counter can.
-//
-// Installing it wraps the process's CPU allocator. A block is handed out as the inner
-// allocator made it, its own context ("simple" data pointers, which copy-on-write clones
-// and raw_deallocate rely on), with a deleter that finds its size and the inner deleter in a
-// table. The block keeps its size, so what the profiler and the C allocator see is
-// unchanged. Blocks allocated before installation are freed by their own deleter and never
-// counted.
+// Live and peak CPU tensor bytes, like torch.cuda.memory_allocated / max_memory_allocated
+// (RSS also counts the C allocator's cache). Wraps the CPU allocator: blocks keep the inner
+// allocator's "simple" pointers (context == data, needed by COW clones and raw_deallocate),
+// with a deleter that looks up size and inner deleter. Earlier blocks are never counted.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -83,10 +76,8 @@ class CountingAllocator final : public c10::Allocator {
   c10::Allocator* inner_;
 };
 
-// Whether the counter serves the CPU allocations now; installs it on the first call. The
-// inner allocator must hand out simple pointers (context == data) freed by a plain
-// function, as the default one does: another allocator installed by someone else is
-// left alone and nothing is counted.
+// Installs on first call; whether the counter is active. Refuses an inner allocator without
+// simple pointers and a plain deleter.
 bool live_memory_install() {
   static CountingAllocator* installed = nullptr;
   static bool refused = false;
@@ -112,7 +103,7 @@ void live_memory_reset_peak() {
   peak_bytes.store(live_bytes.load(std::memory_order_relaxed), std::memory_order_relaxed);
 }
 
-// Whether a tensor's storage was allocated through the counter (and so is in its figures).
+// Whether a tensor's storage is counted.
 bool live_memory_counts(const at::Tensor& t) {
   return t.has_storage() && t.storage().data_ptr().get_deleter() == &counted_delete;
 }

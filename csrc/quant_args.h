@@ -1,5 +1,5 @@
-// Argument checks, output allocation and dispatch helpers shared by the CPU and CUDA ops, so
-// both devices reject the same inputs with the same messages and return the same shapes.
+// Argument checks, allocation and dispatch shared by the CPU and CUDA ops, so both devices
+// give the same errors and shapes.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,7 +11,6 @@
 
 namespace lightning_act {
 
-// The input and output dtypes the kernels handle.
 #define LIGHTNING_ACT_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)            \
   AT_DISPATCH_SWITCH(TYPE, NAME,                                       \
                      AT_DISPATCH_CASE(at::ScalarType::Float, __VA_ARGS__) \
@@ -40,8 +39,7 @@ inline void check_quantize_input(const at::Tensor& input, bool column_major) {
               "column by column: input must be at least 2-D; got shape ", input.sizes());
 }
 
-// Uninitialized outputs of quantizing `numel` values on `options`' device: the packed codes
-// of every group (the last one padded to group_size values) and each group's two bfloat16 words.
+// Uninitialized codes (last group padded) and [groups, 2] bfloat16 stats for `numel` values.
 inline std::tuple<at::Tensor, at::Tensor> empty_codes_and_stats(int64_t numel, int64_t bits, int64_t group_size,
                                                                 const at::TensorOptions& options) {
   const int64_t groups = num_groups(numel, group_size);
@@ -49,8 +47,6 @@ inline std::tuple<at::Tensor, at::Tensor> empty_codes_and_stats(int64_t numel, i
           at::empty({groups, 2}, options.dtype(at::kBFloat16))};
 }
 
-// Checks packed codes of `groups` groups of `group_size` values at `bits` bits, of which
-// `numel` are read, for `op` (named in the message).
 inline void check_packed_codes(const char* op, const at::Tensor& codes, int64_t groups, int64_t bits,
                                int64_t group_size, int64_t numel) {
   TORCH_CHECK(codes.scalar_type() == at::kByte, "lightning_act.", op, ": codes dtype is ", codes.scalar_type(),
@@ -64,7 +60,7 @@ inline void check_packed_codes(const char* op, const at::Tensor& codes, int64_t 
               groups * group_size, "] for ", groups, " groups of ", group_size);
 }
 
-// Checks codes and stats against each other; returns the number of groups.
+// Returns the number of groups.
 inline int64_t check_decode_args(const at::Tensor& codes, const at::Tensor& stats, int64_t bits, int64_t group_size,
                                  int64_t numel, at::ScalarType dtype, int64_t rows = 0, int64_t columns = 0) {
   check_quant_args(bits, group_size);
@@ -87,8 +83,7 @@ inline int64_t check_decode_args(const at::Tensor& codes, const at::Tensor& stat
   return groups;
 }
 
-// Checks lookup_levels's arguments (as lightning_act.ops.validation.check_lookup_levels) and
-// allocates its output, uninitialized.
+// As ops.validation.check_lookup_levels; allocates the output uninitialized.
 inline at::Tensor lookup_levels_output(const at::Tensor& codes, const at::Tensor& levels, int64_t bits,
                                        int64_t group_size, int64_t numel) {
   check_quant_args(bits, group_size);
@@ -104,8 +99,7 @@ inline at::Tensor lookup_levels_output(const at::Tensor& codes, const at::Tensor
   return at::empty({numel}, levels.options());
 }
 
-// Checks quantize_pack's arguments and allocates its outputs, uninitialized: the C++ side of
-// the op's fake in lightning_act/ops/schemas.py.
+// The C++ side of the op's fake in ops/schemas.py.
 inline std::tuple<at::Tensor, at::Tensor> quantize_pack_outputs(const at::Tensor& input, int64_t bits,
                                                                 int64_t group_size, bool column_major = false) {
   check_quant_args(bits, group_size);
@@ -113,7 +107,6 @@ inline std::tuple<at::Tensor, at::Tensor> quantize_pack_outputs(const at::Tensor
   return empty_codes_and_stats(input.numel(), bits, group_size, input.options());
 }
 
-// Checks unpack_dequantize's arguments and allocates its output, uninitialized.
 inline at::Tensor unpack_dequantize_output(const at::Tensor& codes, const at::Tensor& stats, int64_t bits,
                                            int64_t group_size, int64_t numel, at::ScalarType dtype,
                                            int64_t rows = 0, int64_t columns = 0) {
@@ -121,7 +114,6 @@ inline at::Tensor unpack_dequantize_output(const at::Tensor& codes, const at::Te
   return at::empty({numel}, codes.options().dtype(dtype));
 }
 
-// Calls fn(std::integral_constant<int, bits>{}) so kernels can be specialised on bits.
 template <typename Fn>
 void dispatch_bits(int64_t bits, Fn&& fn) {
   switch (bits) {

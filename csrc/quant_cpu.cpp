@@ -1,6 +1,5 @@
-// CPU kernels of lightning_act::quantize_pack, unpack_dequantize and lookup_levels: the
-// group encoder and decoders of quant_cpu.h over the input and output tensors, read and
-// written in memory order or, for column_major, column by column.
+// CPU kernels of quantize_pack, unpack_dequantize and lookup_levels: quant_cpu.h's encoder and
+// decoders over tensors in memory order or, for column_major, column by column.
 #include <torch/library.h>
 
 #include <algorithm>
@@ -13,7 +12,6 @@
 namespace lightning_act {
 namespace {
 
-// quantize_pack's GroupSource: the input values as float32.
 template <typename scalar_t>
 struct InputGroups {
   const scalar_t* input;
@@ -33,7 +31,7 @@ struct InputGroups {
 };
 
 #if defined(LIGHTNING_ACT_AVX2_DISPATCH)
-// The 8 x 8 block at in (rows in_stride apart) written transposed at out (rows out_stride apart).
+// Transposes the 8 x 8 block at `in` to `out`.
 LIGHTNING_ACT_TARGET_AVX2 LIGHTNING_ACT_ALWAYS_INLINE void transpose_block_avx2(const float* in, int64_t in_stride,
                                                                                 float* out, int64_t out_stride) {
   const __m256 r0 = _mm256_loadu_ps(in), r1 = _mm256_loadu_ps(in + in_stride),
@@ -57,9 +55,7 @@ LIGHTNING_ACT_TARGET_AVX2 LIGHTNING_ACT_ALWAYS_INLINE void transpose_block_avx2(
   _mm256_storeu_ps(out + 7 * out_stride, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
 
-// tile_from_matrix (kToTile) and matrix_from_tile (below) in AVX2 registers, for float32.
-// Value (r, c) sits at r * matrix_stride + c in the matrix and c * tile_stride + r in the
-// tile; `from` is the one side, `to` the other.
+// tile_from_matrix (kToTile) / matrix_from_tile for float32 in AVX2 registers.
 template <bool kToTile>
 LIGHTNING_ACT_TARGET_AVX2 void move_tile_avx2(const float* from, float* to, int64_t matrix_stride, int64_t tile_stride,
                                               int64_t rows, int64_t width) {
@@ -69,8 +65,7 @@ LIGHTNING_ACT_TARGET_AVX2 void move_tile_avx2(const float* from, float* to, int6
   const int64_t block_rows = rows / 8 * 8, block_width = width / 8 * 8;
   const float* const matrix = kToTile ? from : to;
   for (int64_t r = 0; r < block_rows; r += 8) {
-    // The matrix's rows two blocks ahead, asked for now: rows a page or so apart are a
-    // stride the hardware prefetcher does not follow.
+    // Prefetch rows two blocks ahead: the hardware prefetcher does not follow page-sized strides.
     for (int64_t k = r + 16; k < std::min(r + 24, rows); ++k) {
       prefetch_values<!kToTile>(matrix + k * matrix_stride, 0, width, width);
     }
@@ -88,14 +83,9 @@ LIGHTNING_ACT_TARGET_AVX2 void move_tile_avx2(const float* from, float* to, int6
 }
 #endif
 
-// The two ways between a row-major matrix (rows `matrix_stride` apart) and a column-major
-// tile of its `width` columns from row 0 (columns `tile_stride` apart), `rows` rows:
-// matrix[r * matrix_stride + c] = tile[c * tile_stride + r]. Both go over the matrix's
-// rows 8 at a time, outermost, and through a row's columns in blocks of 8 x 8 values (in
-// AVX2 registers for float32 where the CPU has it): each line of the matrix is read or
-// written whole while its 8 rows stay in L1, and each column's 8 values go to or come from
-// the tile as one run. (Over the tile's columns outermost, every matrix line is touched
-// once per 8 columns, far apart in time: 2-8x slower here.)
+// Copies between a row-major matrix and a column-major tile of `width` columns:
+// matrix[r * matrix_stride + c] = tile[c * tile_stride + r]. Matrix rows go 8 at a time,
+// outermost, so each matrix line is touched whole while its 8 rows stay in L1.
 template <typename From, typename To>
 void tile_from_matrix(const From* matrix, int64_t matrix_stride, To* tile, int64_t tile_stride, int64_t rows,
                       int64_t width) {
@@ -131,9 +121,8 @@ void matrix_from_tile(const T* tile, int64_t tile_stride, T* matrix, int64_t mat
   }
 }
 
-// Calls fn(first, offset, run) for each stretch of values [start, start + count) of a
-// column_major read that lies in one column: values first .. first + run - 1 (counted from
-// start) sit at offset, offset + columns, ... in memory. Branch-free loops inside a stretch.
+// Calls fn(first, offset, run) per single-column stretch of column_major read positions
+// [start, start + count): values first.. (from start) sit at offset, offset + columns, ...
 template <typename Fn>
 LIGHTNING_ACT_ALWAYS_INLINE void for_each_column_run(const ColumnMajorOrder& order, int64_t start, int64_t count,
                                                      const Fn& fn) {
@@ -146,14 +135,9 @@ LIGHTNING_ACT_ALWAYS_INLINE void for_each_column_run(const ColumnMajorOrder& ord
   }
 }
 
-// The columns a column_major read holds in a tile at once, from `cursor`'s on, for a group
-// of `count` values from there: as many as share a 64-byte line of a row (so that every
-// line is read once), fewer where the matrix is so tall that the tile would outgrow the
-// cache, and at least the group's. Where rows lie half a 4 KiB page or more apart (float32),
-// nearly every row a tile visits costs an address translation, and a tall matrix's rows
-// outnumber what the TLB holds: there a tile takes 64 columns (up to a quarter of a page per
-// row), up to an L2-sized tile. Cora's 2708 x 1433 features unpacked 2-3.5x faster so; a
-// ViT's 1040 x 768 MLP activations packed 19% and unpacked 14% faster than in 16 columns.
+// Tile width in columns from `cursor`'s: enough to use each 64-byte line of a row once, capped
+// so the tile fits in cache, and at least the group's. Rows half a 4 KiB page or more apart
+// cost a TLB miss per row, so there tiles take 64 columns, up to an L2-sized tile.
 inline int64_t tile_columns(const ColumnMajorOrder& order, const ColumnMajorCursor& cursor, int64_t count) {
   const bool rows_pages_apart = order.columns >= 512;
   const int64_t line_columns = rows_pages_apart ? 64 : 16;
@@ -163,11 +147,9 @@ inline int64_t tile_columns(const ColumnMajorOrder& order, const ColumnMajorCurs
   return std::min(std::max(cached, group), order.columns - cursor.column);
 }
 
-// quantize_pack's GroupSource for column_major: the values gathered column by column. A
-// group runs down a column, `columns` values apart in memory; reading it value by value
-// would fetch a cache line per value. So a tile of the next columns is read row by row
-// (each line once) into a column-major buffer, which the groups then read in order; a
-// group that spans two matrices is gathered value by value.
+// column_major GroupSource: a tile of the next columns is read row by row (each line once)
+// into a column-major buffer the groups then read in order; a group spanning two matrices
+// is gathered value by value.
 template <typename scalar_t>
 struct ColumnMajorInputGroups {
   const scalar_t* input;
@@ -192,7 +174,6 @@ struct ColumnMajorInputGroups {
     return buffer;
   }
 
-  // The tile of whole columns from the one holding read position `start`.
   void load_tile(int64_t start, int64_t count) {
     const ColumnMajorCursor cursor = order.at(start);
     const int64_t rows = order.rows;
@@ -205,7 +186,6 @@ struct ColumnMajorInputGroups {
   }
 };
 
-// unpack_dequantize's GroupSink: the output in its dtype.
 template <typename scalar_t>
 struct OutputGroups {
   scalar_t* output;
@@ -223,11 +203,9 @@ struct OutputGroups {
   void finish() const {}
 };
 
-// unpack_dequantize's GroupSink for a column_major pack: the values put back in their places
-// in row-major memory. As ColumnMajorInputGroups reads, it writes a tile at a time: decoded
-// groups fill a column-major tile in order, which goes out row by row once full, or when
-// the next group does not continue it, or at the end of the task (finish); a group that
-// spans two matrices is scattered value by value.
+// column_major GroupSink, mirroring ColumnMajorInputGroups: groups fill a column-major tile,
+// written out row by row when full, when the next group does not continue it, or at finish();
+// a group spanning two matrices is scattered value by value.
 template <typename scalar_t>
 struct ColumnMajorOutputGroups {
   scalar_t* output;
@@ -262,7 +240,6 @@ struct ColumnMajorOutputGroups {
     });
   }
 
-  // A tile from read position `start` to the end of the tile's last column.
   void start_tile(int64_t start, int64_t count) {
     const ColumnMajorCursor cursor = order.at(start);
     const int64_t width = tile_columns(order, cursor, count);
@@ -271,7 +248,6 @@ struct ColumnMajorOutputGroups {
     tile.resize(tile_end - tile_begin);
   }
 
-  // Writes what the tile holds, row by row.
   void finish() {
     if (filled == tile_begin) {
       return;
@@ -281,9 +257,8 @@ struct ColumnMajorOutputGroups {
     const int64_t width = (cursor.row + (filled - tile_begin) + rows - 1) / rows;
     scalar_t* top = output + (cursor.offset - cursor.row * order.columns);  // row 0 of the first column
     const int64_t held = filled - tile_begin;
-    // The tile holds (row, column) at column * rows + row - cursor.row, where that lies in
-    // [0, held): the columns it holds whole go out at once, a partial first or last one
-    // value by value.
+    // (row, column) is at column * rows + row - cursor.row if in [0, held): whole columns go
+    // out at once, a partial first or last one value by value.
     const int64_t first_whole = cursor.row > 0 ? 1 : 0;
     const int64_t end_whole = std::max(first_whole, (held + cursor.row) / rows);
     matrix_from_tile(tile.data() + first_whole * rows - cursor.row, rows, top + first_whole, order.columns, rows,

@@ -1,32 +1,16 @@
-// The CPU group encoder and decoder of quantize_pack / unpack_dequantize (quant_cpu.cpp)
-// and of division_pack / division_unpack's residual (division_cpu.cpp). Groups are
-// independent, so both run in parallel over groups.
+// CPU group encoder/decoder for quantize_pack / unpack_dequantize and the DIVISION residual,
+// parallel over groups. Per-group branches are hoisted so every loop over a group is
+// branch-free and vectorises (noise hash included). Encoding: a range pass, then a code pass
+// into a byte buffer, then packing. Per-value math is quant_math.h's, shared with CUDA.
 //
-// Every loop over a group is branch-free and runs over plain arrays, so the compiler
-// vectorises it, the noise hash included: a group's constants (finite or not, zero-preserving
-// or not, zero step or not) are decided once per group, outside the loops. A group is encoded
-// in two passes over its float32 values, one gathering its range and one computing its codes
-// into a byte buffer, then packed; decoding unpacks the bytes into that buffer and decodes
-// them as it stores them. The per-value math is quant_math.h's, shared with the CUDA kernels, so both produce
-// the same bits.
+// Built for baseline x86-64 plus an AVX2 copy picked at run time (AVX2 has the 32-bit
+// multiply the hash needs); the AVX2 copy adds hand-written range, unpack and block-encode loops.
 //
-// The build targets baseline x86-64, which every user machine runs. The loops are compiled a
-// second time for AVX2 and the CPU picks one at run time: AVX2 doubles the vector width and
-// has the 32-bit multiply (vpmulld) the noise hash needs, which SSE2 lacks. The AVX2 build
-// also has hand-written forms of the range pass, of unpacking, and of the code pass over a
-// group's whole blocks of 32 values, which packs their codes in registers instead of the byte
-// buffer.
-//
-// The ops differ only in where a group's float32 values come from and where the decoded
-// ones go, which the loops take as functors. Each parallel task works on its own copy, so a
-// functor may keep scratch state:
-//
-// * a GroupSource, `const float* operator()(int64_t start, int64_t count, float* buffer)`,
-//   returns the values [start, start + count): written to `buffer` (room for a group), or
-//   where they already are;
-// * a GroupSink, `void operator()(int64_t start, int64_t count, const Decoded& decoded)`,
-//   stores the values [start, start + count), where value start + i is decoded(i), a float:
-//   decoding runs inside the sink's store loop, in one pass.
+// Functors (each task gets its own copy, so they may keep scratch state):
+// * GroupSource `const float* operator()(start, count, float* buffer)`: values
+//   [start, start + count), in `buffer` (room for a group) or where they already are;
+// * GroupSink `void operator()(start, count, const Decoded& decoded)`: stores value
+//   start + i = decoded(i), decoding inside the store loop.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -48,8 +32,7 @@
 #endif
 
 #if defined(__GNUC__)
-// Loop bodies are inlined into each per-target copy of a task, so they are compiled (and
-// vectorised) for that target.
+// Inlined into each per-target copy of a task, so compiled for that target.
 #define LIGHTNING_ACT_ALWAYS_INLINE __attribute__((always_inline)) inline
 #else
 #define LIGHTNING_ACT_ALWAYS_INLINE inline
@@ -57,10 +40,9 @@
 
 namespace lightning_act {
 
-// Values per parallel task: large enough that scheduling costs nothing next to the work.
+// Values per parallel task: enough to amortise scheduling.
 constexpr int64_t kValuesPerTask = 1 << 15;
 
-// at::parallel_for's grain size for items of `values_per_item` values each.
 inline int64_t grain(int64_t values_per_item) {
   return std::max<int64_t>(1, kValuesPerTask / std::max<int64_t>(1, values_per_item));
 }
@@ -74,8 +56,7 @@ inline bool cpu_has_avx2() {
 #endif
 }
 
-// The instruction sets a task is compiled for, passed to it as a tag: a task may take a
-// hand-written path for one of them.
+// Instruction-set tags passed to tasks, selecting hand-written paths.
 struct Portable {};
 struct Avx2 {};
 
@@ -91,9 +72,8 @@ LIGHTNING_ACT_TARGET_AVX2 void run_avx2(Task& task, int64_t first, int64_t last)
 }
 #endif
 
-// Runs `task(first, last, isa)` over [0, items) in parallel, each parallel task on its own
-// copy of `task`, compiled for AVX2 (isa an Avx2) where the CPU has it, else for the
-// baseline (isa a Portable). Task::operator() must be LIGHTNING_ACT_ALWAYS_INLINE.
+// Runs `task(first, last, isa)` over [0, items) in parallel on per-task copies, as Avx2 where
+// the CPU has it, else Portable. Task::operator() must be LIGHTNING_ACT_ALWAYS_INLINE.
 template <typename Task>
 void parallel_tasks(int64_t items, int64_t values_per_item, const Task& task) {
   const bool avx2 = cpu_has_avx2();
@@ -109,15 +89,11 @@ void parallel_tasks(int64_t items, int64_t values_per_item, const Task& task) {
   });
 }
 
-// How far ahead of a group a memory-order pass asks for the memory it will read or write:
-// the hardware prefetcher follows a stream only while it misses, and a group's later passes
-// (its codes, its stores) run from L1, so without a hint the next group's lines are fetched
-// only when its first pass stalls on them. Two groups ahead, with caches cold (a 25 MiB
-// tensor, one thread): pack 0.77 -> 0.58 ns per value, unpack 0.53 -> 0.44, as fast as a copy.
+// Prefetch distance of memory-order passes: a group's later passes run from L1, so the
+// hardware prefetcher loses the stream and the next group's first pass would stall.
 constexpr int64_t kGroupsAhead = 2;
 
-// Hints the lines of [start, start + count) of an array of `total` elements at `base`
-// (nothing past its end) into the cache, for reading or (kWrite) writing.
+// Prefetches [start, start + count) of `base` (clipped to `total`) for reading or writing.
 template <bool kWrite, typename T>
 LIGHTNING_ACT_ALWAYS_INLINE void prefetch_values(const T* base, int64_t start, int64_t count, int64_t total) {
   const int64_t end = std::min(start + count, total);
@@ -130,8 +106,7 @@ LIGHTNING_ACT_ALWAYS_INLINE void prefetch_values(const T* base, int64_t start, i
 #endif
 }
 
-// The integer type holding the codes of one packed byte, one code per byte: a byte packs
-// 8 / kBits codes.
+// Integer holding the 8 / kBits one-byte codes of one packed byte.
 template <int kBits>
 struct CodeWord;
 template <>
@@ -147,10 +122,8 @@ struct CodeWord<4> {
   using type = uint16_t;
 };
 
-// Packs `count` one-byte codes (each below 2**kBits; count a multiple of 8) little-endian,
-// 8 / kBits per byte. The codes of a byte, read as one little-endian word, sit 8 bits apart;
-// shifting the word right by j * (8 - kBits) moves code j to bit j * kBits and every code
-// after it to bit 8 or higher, so OR-ing the shifts leaves the packed byte in the low 8 bits.
+// Packs `count` (a multiple of 8) one-byte codes little-endian, 8 / kBits per byte: shifting
+// the codes' word right by j * (8 - kBits) puts code j at bit j * kBits; OR the shifts.
 template <int kBits>
 LIGHTNING_ACT_ALWAYS_INLINE void pack_codes(const uint8_t* codes, int64_t count, uint8_t* packed) {
   static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "codes are read as little-endian words");
@@ -172,8 +145,7 @@ LIGHTNING_ACT_ALWAYS_INLINE void pack_codes(const uint8_t* codes, int64_t count,
   }
 }
 
-// The inverse of pack_codes for `bytes` packed bytes: shifting a byte left by
-// j * (8 - kBits) moves code j to bit 8 * j, and the mask keeps the low kBits of every byte.
+// Inverse of pack_codes: shift left by j * (8 - kBits), then mask each byte's low kBits.
 template <int kBits>
 LIGHTNING_ACT_ALWAYS_INLINE void unpack_codes(Portable, const uint8_t* packed, int64_t bytes, uint8_t* codes) {
   if constexpr (kBits == 8) {
@@ -204,9 +176,8 @@ LIGHTNING_ACT_ALWAYS_INLINE GroupRange range_of(Portable, const float* values, i
   return range;
 }
 
-// The codes of a finite group's `count` values, the first of which has index `first_index`
-// (low 32 bits) in its noise stream `key`: encode_value with the group's branches taken
-// outside the loop.
+// encode_value over a finite group's values from `first_index` (low 32 bits) of stream `key`,
+// with the group's branches hoisted into template flags.
 template <bool kZeroPreserving, bool kPositiveStep>
 LIGHTNING_ACT_ALWAYS_INLINE void encode_codes(const float* values, int64_t count, const GroupParams& params,
                                               uint32_t key, uint32_t first_index, uint8_t* codes) {
@@ -216,9 +187,7 @@ LIGHTNING_ACT_ALWAYS_INLINE void encode_codes(const float* values, int64_t count
   const uint32_t noise_key = run_key(key, first_index);
   const uint32_t n = static_cast<uint32_t>(count);  // a 32-bit index vectorises with 32-bit lanes
   for (uint32_t i = 0; i < n; ++i) {
-    // With a zero step a value's level is its noise alone, in [0, 1), which truncates to 0
-    // whatever it is: such a group (every value equal, or one positive value besides zeros,
-    // e.g. binary features) draws none.
+    // Zero step: the level is the noise in [0, 1), which truncates to 0, so none is drawn.
     const uint32_t code =
         kPositiveStep ? encode_with_step(values[i], low, step, max_level, kZeroPreserving,
                                          run_noise(noise_key, first_index + i))
@@ -227,28 +196,24 @@ LIGHTNING_ACT_ALWAYS_INLINE void encode_codes(const float* values, int64_t count
   }
 }
 
-// The values encode_groups encodes and packs in a loop of the instruction set's own, as a
-// number of leading values of a finite group with a positive step; the portable loops above
-// do the rest. The portable build has no such loop.
+// How many leading values (finite group, positive step) an ISA-specific loop encodes and
+// packs; the portable loops do the rest. None for Portable.
 template <int kBits, bool kZeroPreserving>
 LIGHTNING_ACT_ALWAYS_INLINE int64_t encode_blocks(Portable, const float*, int64_t, const GroupParams&, uint32_t,
                                                   uint32_t, uint8_t*) {
   return 0;
 }
 
-// The values lookup_levels reads from a group's row in a loop of the instruction set's own,
-// as a number of leading codes; the plain loop does the rest. The portable build has none.
+// Likewise for lookup_levels: leading codes looked up by an ISA-specific loop.
 template <int kBits>
 LIGHTNING_ACT_ALWAYS_INLINE int64_t lookup_values(Portable, const uint8_t*, const float*, int64_t, float*) {
   return 0;
 }
 
 #if defined(LIGHTNING_ACT_AVX2_DISPATCH)
-// Hand-written AVX2 forms of the loops above. Each computes exactly what its portable form
-// computes, in fewer instructions than the compiler makes of that, and leaves the values short
-// of a whole vector (or block) to it.
+// Hand-written AVX2 forms of the loops above: bit-identical to the portable forms, which
+// handle the tail short of a whole vector (or block).
 
-// An AVX2 register's eight 32-bit lanes, as T, folded into one with `fold`.
 template <typename T, typename Fold>
 LIGHTNING_ACT_TARGET_AVX2 LIGHTNING_ACT_ALWAYS_INLINE T fold_lanes(__m256i lanes, Fold fold) {
   alignas(32) T values[8];
@@ -260,11 +225,9 @@ LIGHTNING_ACT_TARGET_AVX2 LIGHTNING_ACT_ALWAYS_INLINE T fold_lanes(__m256i lanes
   return folded;
 }
 
-// range_of. The lanes keep extremes of the raw bits, which take three operations per vector
-// fewer than those of the order keys: the signed maximum and minimum and the unsigned maximum
-// of the bits give both extreme keys (below), and the unsigned minimum of bits - 1 the
-// smallest positive bits, as positive floats are the bits in (0, 2**31) and bits - 1 moves
-// +0 (by wrapping) and the negatives (by their sign bit) above every positive's.
+// range_of on raw bits (cheaper than order keys): signed max/min and unsigned max give both
+// extreme keys; unsigned min of bits - 1 gives the smallest positive, as bits - 1 moves +0
+// (wrapping) and negatives above every positive.
 LIGHTNING_ACT_TARGET_AVX2 inline GroupRange range_of(Avx2, const float* values, int64_t count) {
   GroupRange range;
   const int64_t vectored = count / 8 * 8;
@@ -287,8 +250,7 @@ LIGHTNING_ACT_TARGET_AVX2 inline GroupRange range_of(Avx2, const float* values, 
     const int32_t bits_min = fold_lanes<int32_t>(signed_min, min);
     const uint32_t bits_unsigned_max = fold_lanes<uint32_t>(unsigned_max, max);
     const uint32_t below_positive = fold_lanes<uint32_t>(below_positive_min, min);
-    // A non-negative float's key is its bits, above every negative's; a negative's key falls
-    // as its bits rise, as signed and as unsigned integers.
+    // Non-negative keys are the bits; a negative's key falls as its bits rise.
     const int32_t max_key = bits_max >= 0 ? bits_max : order_key(static_cast<uint32_t>(bits_min));
     const int32_t min_key = static_cast<int32_t>(bits_unsigned_max) < 0 ? order_key(bits_unsigned_max) : bits_min;
     const uint32_t min_positive_bits = below_positive < 0x7FFFFFFFu ? below_positive + 1u : kExponentBits;
@@ -301,19 +263,18 @@ LIGHTNING_ACT_TARGET_AVX2 inline GroupRange range_of(Avx2, const float* values, 
   return range;
 }
 
-// Packs 32 codes, one a byte in `codes`, to 32 * kBits / 8 bytes at `packed`, as pack_codes.
+// pack_codes for 32 one-byte codes in a register.
 template <int kBits>
 LIGHTNING_ACT_TARGET_AVX2 LIGHTNING_ACT_ALWAYS_INLINE void pack_block(__m256i codes, uint8_t* packed) {
   if constexpr (kBits == 8) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(packed), codes);
   } else if constexpr (kBits == 4) {
-    // Byte pairs to bytes: code 0 + 16 * code 1 (a multiply-add of bytes into 16-bit lanes).
+    // Byte pairs to code 0 + 16 * code 1 (multiply-add into 16-bit lanes).
     const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi16(0x1001));
     const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(packed), _mm256_castsi256_si128(bytes));
   } else if constexpr (kBits == 2) {
-    // Four bytes to one: pairs as above, then pair 0 + 16 * pair 1 into 32-bit lanes, whose
-    // low bytes are gathered.
+    // Pairs as above, then pair 0 + 16 * pair 1 into 32-bit lanes; gather the low bytes.
     const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi16(0x0401));
     const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi32(0x00100001));
     const __m256i low_bytes = _mm256_shuffle_epi8(
@@ -322,14 +283,13 @@ LIGHTNING_ACT_TARGET_AVX2 LIGHTNING_ACT_ALWAYS_INLINE void pack_block(__m256i co
     const __m128i bytes = _mm_unpacklo_epi32(_mm256_castsi256_si128(low_bytes), _mm256_extracti128_si256(low_bytes, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(packed), bytes);
   } else {
-    // Each code's bit moved to its byte's sign bit, which movemask gathers.
+    // Each code's bit to its byte's sign bit, gathered by movemask.
     const uint32_t bits = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(codes, 7)));
     std::memcpy(packed, &bits, sizeof(bits));
   }
 }
 
-// encode_codes<kZeroPreserving, true> and pack_codes over the group's whole blocks of 32
-// values: four vectors of codes, narrowed to bytes and packed in registers.
+// encode_codes<kZeroPreserving, true> + pack_codes over whole blocks of 32 values, in registers.
 template <int kBits, bool kZeroPreserving>
 LIGHTNING_ACT_TARGET_AVX2 int64_t encode_blocks(Avx2, const float* values, int64_t count, const GroupParams& params,
                                                 uint32_t key, uint32_t first_index, uint8_t* packed) {
@@ -339,12 +299,9 @@ LIGHTNING_ACT_TARGET_AVX2 int64_t encode_blocks(Avx2, const float* values, int64
   const __m256 zero = _mm256_setzero_ps();
   const __m256 noise_unit = _mm256_set1_ps(5.9604644775390625e-8f);  // noise_of_hash's 2**-24
   const __m256i multiplier2 = _mm256_set1_epi32(static_cast<int32_t>(kMixMultiplier2));
-  // run_noise hashes x = index ^ noise_key, which mix32_tail first multiplies by
-  // kMixMultiplier1. A block's indices are b + j, b a multiple of 32 and j = 0..31, so x is
-  // (b ^ (noise_key & ~31)) + (j ^ (noise_key & 31)) and its product one scalar product per
-  // block plus a product per j that is the same in every block: a broadcast and an add per
-  // vector in place of a vector multiply, which some CPUs (AMD Zen 1) run at one per four
-  // cycles.
+  // mix32_tail first multiplies x = index ^ noise_key by kMixMultiplier1. With index = b + j
+  // (b a multiple of 32), x = (b ^ (noise_key & ~31)) + (j ^ (noise_key & 31)), so the product
+  // is a per-block scalar plus per-j products fixed across blocks: an add replaces a vpmulld.
   const uint32_t noise_key = run_key(key, first_index);
   const uint32_t block_key = noise_key & ~31u;
   __m256i lane_products[4];
@@ -354,8 +311,7 @@ LIGHTNING_ACT_TARGET_AVX2 int64_t encode_blocks(Avx2, const float* values, int64
         _mm256_mullo_epi32(_mm256_xor_si256(j, _mm256_set1_epi32(static_cast<int32_t>(noise_key & 31u))),
                            _mm256_set1_epi32(static_cast<int32_t>(kMixMultiplier1)));
   }
-  // The 256-bit packs narrow each 128-bit half on its own, leaving the codes' 4-byte runs in
-  // the order 0, 2, 4, 6, 1, 3, 5, 7; this permutation restores theirs.
+  // The packs work per 128-bit half, leaving 4-byte runs as 0, 2, 4, 6, 1, 3, 5, 7.
   const __m256i run_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   const int64_t blocks_end = count / 32 * 32;
   for (int64_t i = 0; i < blocks_end; i += 32) {
@@ -371,8 +327,7 @@ LIGHTNING_ACT_TARGET_AVX2 int64_t encode_blocks(Avx2, const float* values, int64
 
       const __m256 value = _mm256_loadu_ps(values + i + 8 * v);
       __m256 level = _mm256_add_ps(_mm256_div_ps(_mm256_sub_ps(value, low), step), noise);
-      // code_of_level's clamps: max and min return their second operand when the first is
-      // NaN or the two are equal, as its selects do.
+      // code_of_level's clamps: max/min return the second operand on NaN or a tie, like its selects.
       level = _mm256_min_ps(_mm256_max_ps(level, zero), max_level);
       code[v] = _mm256_cvttps_epi32(level);
       if constexpr (kZeroPreserving) {
@@ -387,8 +342,7 @@ LIGHTNING_ACT_TARGET_AVX2 int64_t encode_blocks(Avx2, const float* values, int64
   return blocks_end;
 }
 
-// lookup_values for float32 rows of at most 16 values (4 bits): the row held in registers and
-// each code's value picked by a lane permute, eight at a time, instead of a load per value.
+// lookup_values for float32: the row (<= 16 values) held in registers, picked by lane permutes.
 template <int kBits>
 LIGHTNING_ACT_TARGET_AVX2 int64_t lookup_values(Avx2, const uint8_t* codes, const float* row, int64_t count,
                                                 float* values) {
@@ -420,9 +374,7 @@ LIGHTNING_ACT_TARGET_AVX2 int64_t lookup_values(Avx2, const uint8_t* codes, cons
   }
 }
 
-// unpack_codes, 32 codes at a time: each packed byte widened to the lane its codes spread
-// over, then spread as pack_codes's inverse spreads it (the compiler leaves the portable loop
-// scalar in some builds).
+// unpack_codes, 32 codes at a time (the compiler may leave the portable loop scalar).
 template <int kBits>
 LIGHTNING_ACT_TARGET_AVX2 void unpack_codes(Avx2, const uint8_t* packed, int64_t bytes, uint8_t* codes) {
   if constexpr (kBits == 8) {
@@ -442,8 +394,7 @@ LIGHTNING_ACT_TARGET_AVX2 void unpack_codes(Avx2, const uint8_t* packed, int64_t
                                  _mm256_or_si256(_mm256_slli_epi32(words, 12), _mm256_slli_epi32(words, 18)));
         spread = _mm256_and_si256(spread, _mm256_set1_epi32(0x03030303));
       } else {
-        // Each packed byte copied to eight, of which byte j keeps bit j and then becomes 1 if
-        // that is set.
+        // Each packed byte copied to eight; byte j keeps bit j, then becomes 0 or 1.
         uint32_t four;
         std::memcpy(&four, packed + byte, sizeof(four));
         const __m256i copies =
@@ -460,7 +411,6 @@ LIGHTNING_ACT_TARGET_AVX2 void unpack_codes(Avx2, const uint8_t* packed, int64_t
 }
 #endif
 
-// One parallel task of encode_groups: groups [first_group, last_group).
 template <int kBits, typename GroupSource>
 struct EncodeTask {
   GroupSource source;
@@ -515,8 +465,7 @@ struct EncodeTask {
   }
 };
 
-// Quantizes the `numel` values of `source` to `bits` bits into `codes` and `stats`,
-// allocated by empty_codes_and_stats.
+// Quantizes `numel` values of `source` into `codes` and `stats` (from empty_codes_and_stats).
 template <typename GroupSource>
 void encode_groups(const GroupSource& source, int64_t numel, int64_t bits, int64_t group_size, uint64_t seed,
                    const at::Tensor& codes, const at::Tensor& stats) {
@@ -529,7 +478,6 @@ void encode_groups(const GroupSource& source, int64_t numel, int64_t bits, int64
   });
 }
 
-// One parallel task of decode_groups: groups [first_group, last_group).
 template <int kBits, typename GroupSink>
 struct DecodeTask {
   GroupSink sink;
@@ -549,7 +497,7 @@ struct DecodeTask {
       const int64_t start = group * group_size;
       const int64_t valid = std::min(group_size, numel - start);
       unpack_codes<kBits>(isa, code_bytes + start * kBits / 8, (valid + kPerByte - 1) / kPerByte, codes.data());
-      // The sink's loop gets decode_value with the group's kind as a constant: no branch.
+      // zero_preserving as a compile-time constant, so the sink's loop has no branch.
       const auto store = [&](auto zero_preserving) {
         DecodeParams group_params = params;
         group_params.zero_preserving = decltype(zero_preserving)::value;
@@ -561,8 +509,7 @@ struct DecodeTask {
   }
 };
 
-// One parallel task of lookup_levels: groups [first_group, last_group), each value read from
-// its group's row of the table by its code.
+// lookup_levels task: each value is its group's table row at its code.
 template <int kBits, typename scalar_t>
 struct LookupTask {
   const uint8_t* code_bytes;

@@ -1,7 +1,4 @@
-// CUDA ops lightning_act::quantize_pack and lightning_act::unpack_dequantize: argument
-// checks, allocation and dtype dispatch around quant_kernels.cuh's group encoder and chunk
-// decoder over the input and output tensors (its InputChunks and OutputChunks, or for
-// column_major its ColumnMajorInputChunks and ColumnMajorOutputChunks).
+// CUDA quantize_pack / unpack_dequantize around quant_kernels.cuh.
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 

@@ -1,8 +1,5 @@
-// quant_kernels.cuh's group encoder and chunk decoder started on tensors, on the current
-// stream, for the CUDA ops of quant_cuda.cu and division_cuda.cu.
-//
-// c10's stream headers rather than ATen/cuda/CUDAContext.h, which pulls in the
-// cuBLAS/cuSPARSE headers: the kernels then build with a bare CUDA toolkit.
+// quant_kernels.cuh's launchers on tensors and the current stream. Uses c10 stream headers,
+// not ATen/cuda/CUDAContext.h (cuBLAS/cuSPARSE), so a bare CUDA toolkit suffices.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -16,8 +13,6 @@
 
 namespace lightning_act {
 
-// Quantizes the `numel` values of `source` to `bits` bits into `codes` and `stats`,
-// allocated by empty_codes_and_stats.
 template <typename ChunkSource>
 void encode_groups(const ChunkSource& source, int64_t numel, int64_t bits, int64_t group_size, uint64_t seed,
                    const at::Tensor& codes, const at::Tensor& stats) {
@@ -28,7 +23,6 @@ void encode_groups(const ChunkSource& source, int64_t numel, int64_t bits, int64
   });
 }
 
-// Decodes the first `numel` values of `codes` and `stats`, at `bits` bits, into `sink`.
 template <typename ChunkSink>
 void decode_groups(const at::Tensor& codes, const at::Tensor& stats, int64_t numel, int64_t bits,
                    int64_t group_size, const ChunkSink& sink) {

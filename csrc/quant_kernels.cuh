@@ -1,33 +1,19 @@
-// The CUDA group encoder and chunk decoder of quantize_pack / unpack_dequantize and of
-// division_pack / division_unpack's residual, with the host code that sizes and starts them.
+// CUDA group encoder and chunk decoder (quantize_pack / unpack_dequantize and the DIVISION
+// residual) with their launchers. No ATen/c10 headers: tests/emu compiles this as plain C++
+// and runs it on the CPU.
 //
-// Device code and the CUDA runtime API only, no ATen or c10 header: nvcc compiles it for the
-// ops (quant_cuda.cuh ties it to tensors), and the lock-step emulator of tests/emu compiles
-// the same text as plain C++ and runs it on the CPU under sanitizers. The input and output
-// element types (float, c10::Half, c10::BFloat16) come in as template arguments.
+// * a chunk is 8 values whose codes fill one `bits`-byte word;
+// * a group is owned by T = min(32, group_size / 8) lanes of a warp, chunk c by lane c % T;
+//   they reduce the range by warp shuffles, then encode in a second pass (first chunk still
+//   in registers, later ones re-read from cache);
+// * decoding is one thread per chunk; chunks never straddle groups (group_size >= 8, 2**k);
+// * grid-stride loops, 64-bit indices, one resident wave of blocks.
 //
-// Both pairs of ops are memory-bound, so the kernels are shaped around memory traffic:
-//
-// * a chunk is 8 consecutive values: their codes fill exactly `bits` bytes, stored as one
-//   uint8/16/32/64 word;
-// * a group is owned by T = min(32, group_size / 8) lanes of a warp, chunk c by lane c % T.
-//   The lanes reduce the group's range with warp shuffles (no shared memory, no block
-//   barrier), then encode in a second pass: the lane's first chunk is still in registers,
-//   later chunks are re-read while they are hot in cache. With the default group size
-//   (256) every lane has a single chunk and the input is read from memory once;
-// * decoding is one thread per chunk; a chunk never straddles two groups (group sizes are
-//   powers of two >= 8);
-// * grid-stride loops with 64-bit indices cover any tensor size with one resident wave of
-//   blocks.
-//
-// The ops differ only in where the float32 values come from and where the decoded ones go,
-// which the kernels take as functors:
-//
-// * a ChunkSource, `int operator()(int64_t index, int64_t end, float (&values)[kChunk]) const`,
-//   loads the values [index, min(index + 8, end)) and returns how many (0 to 8);
-// * a ChunkSink, `void operator()(int64_t index, int count, const float (&values)[kChunk]) const`,
-//   stores the first `count` decoded values of the chunk starting at `index` (fewer than 8
-//   only at the end of the tensor).
+// Functors:
+// * ChunkSource `int operator()(int64_t index, int64_t end, float (&values)[kChunk]) const`
+//   loads [index, min(index + 8, end)) and returns how many;
+// * ChunkSink `void operator()(int64_t index, int count, const float (&values)[kChunk]) const`
+//   stores the first `count` decoded values of the chunk at `index`.
 #pragma once
 
 #include <algorithm>
@@ -37,8 +23,7 @@
 
 #include "quant_math.h"
 
-// Starts `kernel` on `blocks` blocks of kThreadsPerBlock threads on `stream`. The emulator
-// defines it before including this header, since only nvcc parses the triple chevrons.
+// The emulator defines its own, since only nvcc parses triple chevrons.
 #ifndef LIGHTNING_ACT_LAUNCH
 #define LIGHTNING_ACT_LAUNCH(kernel, blocks, stream, ...) \
   kernel<<<(blocks), ::lightning_act::kThreadsPerBlock, 0, (stream)>>>(__VA_ARGS__)
@@ -51,13 +36,12 @@ constexpr int kThreadsPerBlock = 256;
 constexpr int kChunk = 8;
 constexpr unsigned kFullWarp = 0xFFFFFFFFu;
 
-// The word holding the packed codes of one chunk: kBits bytes.
 template <int kBits>
 using CodeWord = std::conditional_t<kBits == 1, uint8_t,
                                     std::conditional_t<kBits == 2, uint16_t,
                                                        std::conditional_t<kBits == 4, uint32_t, uint64_t>>>;
 
-// The packed codes of one chunk; values past `count` are padding and get code 0.
+// Packed codes of one chunk; values past `count` are padding (code 0).
 template <int kBits>
 __device__ __forceinline__ CodeWord<kBits> encode_chunk(const float (&values)[kChunk], int count,
                                                         const GroupParams& params, uint32_t key, int64_t index) {
@@ -83,7 +67,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
   const int64_t group_stride = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize * groups_per_warp;
 
-  // The loop bound is uniform across the warp, so every lane reaches every shuffle.
+  // Warp-uniform loop bound: every lane reaches every shuffle.
   for (int64_t first_group = warp * groups_per_warp; first_group < groups; first_group += group_stride) {
     const int64_t group = first_group + lane / lanes_per_group;
     const bool active = group < groups;
@@ -110,7 +94,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
         }
       }
     }
-    // Lanes of one group are aligned and contiguous, so xor offsets below T stay inside it.
+    // A group's lanes are aligned and contiguous, so xor offsets below T stay inside it.
     for (int offset = lanes_per_group / 2; offset > 0; offset /= 2) {
       range.merge(__shfl_xor_sync(kFullWarp, range.min_key, offset), __shfl_xor_sync(kFullWarp, range.max_key, offset),
                   __shfl_xor_sync(kFullWarp, range.min_positive_bits, offset),
@@ -136,7 +120,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   }
 }
 
-// One thread per chunk of 8 values.
 template <typename ChunkSink, int kBits>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     decode_chunks_kernel(const uint8_t* __restrict__ codes, const uint16_t* __restrict__ stats, int64_t numel,
@@ -172,7 +155,7 @@ __device__ __forceinline__ float half_bits_to_float(uint32_t bits) {
   return static_cast<float>(scalar_t(static_cast<uint16_t>(bits), scalar_t::from_bits()));
 }
 
-// Loads the 8 values of a full chunk as float32; `vector_load` needs 16-byte alignment.
+// `vector_load` needs 16-byte alignment.
 template <typename scalar_t>
 __device__ __forceinline__ void load_full_chunk(const scalar_t* __restrict__ src, bool vector_load,
                                                 float (&values)[kChunk]) {
@@ -198,8 +181,6 @@ __device__ __forceinline__ void load_full_chunk(const scalar_t* __restrict__ src
   }
 }
 
-// quantize_pack's ChunkSource: the input values as float32, read with 16-byte vector loads
-// where aligned (8 values are one or two of them).
 template <typename scalar_t>
 struct InputChunks {
   const scalar_t* input;
@@ -219,7 +200,7 @@ struct InputChunks {
   }
 };
 
-// Stores the first `count` of 8 decoded values; a full chunk with 16-byte vector stores.
+// A full chunk is stored with 16-byte vector stores.
 template <typename scalar_t>
 __device__ __forceinline__ void store_chunk(scalar_t* __restrict__ dst, int count, const float (&values)[kChunk]) {
   if (count == kChunk) {
@@ -245,7 +226,7 @@ __device__ __forceinline__ void store_chunk(scalar_t* __restrict__ dst, int coun
   }
 }
 
-// unpack_dequantize's ChunkSink: the output, freshly allocated and so 16-byte aligned.
+// The output is freshly allocated, so 16-byte aligned.
 template <typename scalar_t>
 struct OutputChunks {
   scalar_t* output;
@@ -255,10 +236,8 @@ struct OutputChunks {
   }
 };
 
-// quantize_pack's ChunkSource for column_major: a chunk's 8 values run down a column,
-// `columns` values apart in memory. The lanes of a group read 8 rows each of the same
-// columns, and the groups of the next lanes and warps of the block the next columns, so the
-// block's loads of one row fall in the same few sectors, which L1 serves after the first.
+// column_major ChunkSource: a chunk runs down a column. Neighbouring groups read neighbouring
+// columns, so a block's loads of one row share a few sectors that L1 serves.
 template <typename scalar_t>
 struct ColumnMajorInputChunks {
   const scalar_t* input;
@@ -279,8 +258,7 @@ struct ColumnMajorInputChunks {
   }
 };
 
-// unpack_dequantize's ChunkSink for a column_major pack: the values scattered back to their
-// places in row-major memory.
+// column_major ChunkSink: values scattered back to row-major memory.
 template <typename scalar_t>
 struct ColumnMajorOutputChunks {
   scalar_t* output;
@@ -302,11 +280,10 @@ inline bool is_aligned(const void* pointer, uintptr_t alignment) {
   return reinterpret_cast<uintptr_t>(pointer) % alignment == 0;
 }
 
-// Blocks of one resident wave, capped by the work: with grid-stride loops every block gets
-// the same share, so a second, partial wave would only add a tail.
+// Blocks of one resident wave, capped by the work (a partial second wave only adds a tail).
 template <auto kKernel>
 cudaError_t grid_size(int64_t work_items, int64_t items_per_block, int* blocks) {
-  // Occupancy depends on the kernel's register use only: queried once per kernel.
+  // Occupancy depends only on the kernel: queried once.
   static std::atomic<int> resident_per_sm{0};
   int blocks_per_sm = resident_per_sm.load(std::memory_order_relaxed);
   if (blocks_per_sm == 0) {
@@ -328,9 +305,7 @@ cudaError_t grid_size(int64_t work_items, int64_t items_per_block, int* blocks) 
   return error;
 }
 
-// Quantizes the `numel` values of `source` to kBits bits on `stream`: the codes of every
-// group (the last one padded to group_size values) to `codes`, each group's two bfloat16
-// words to `stats`.
+// Quantizes `numel` values of `source` into codes (last group padded) and per-group stats.
 template <int kBits, typename ChunkSource>
 cudaError_t launch_encode_groups(const ChunkSource& source, int64_t numel, int64_t group_size, uint64_t seed,
                                  uint8_t* codes, uint32_t* stats, cudaStream_t stream) {
@@ -347,7 +322,6 @@ cudaError_t launch_encode_groups(const ChunkSource& source, int64_t numel, int64
   return cudaGetLastError();
 }
 
-// Decodes the first `numel` values of `codes` and `stats` at kBits bits into `sink` on `stream`.
 template <int kBits, typename ChunkSink>
 cudaError_t launch_decode_groups(const uint8_t* codes, const uint16_t* stats, int64_t numel, int64_t group_size,
                                  const ChunkSink& sink, cudaStream_t stream) {

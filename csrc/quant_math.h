@@ -1,10 +1,6 @@
 // Per-value math of quantize_pack / unpack_dequantize, shared by the CPU and CUDA kernels.
-//
-// The storage format and the pure-PyTorch oracle live in lightning_act/ops/reference.py.
-// Every floating-point step below is a single IEEE float32 operation in the reference's
-// order, so both kernels reproduce the reference bit for bit. On the device the
-// round-to-nearest intrinsics keep nvcc from fusing a multiply and an add into an FMA;
-// host code is compiled with -ffp-contract=off for the same reason.
+// Each float step is one IEEE float32 op in the order of lightning_act/ops/reference.py, so
+// both match it bit for bit; the _rn intrinsics (device) and -ffp-contract=off (host) forbid FMA.
 #pragma once
 
 #include <cstdint>
@@ -75,7 +71,6 @@ LIGHTNING_ACT_HD float div_rn(float a, float b) {
 #endif
 }
 
-// mix32's multipliers, named for the CPU's vector form of mix32_tail (quant_cpu.h).
 constexpr uint32_t kMixMultiplier1 = 0x7FEB352Du;
 constexpr uint32_t kMixMultiplier2 = 0x846CA68Bu;
 
@@ -91,13 +86,13 @@ LIGHTNING_ACT_HD uint32_t mix32_tail(uint32_t x) {
 // A bijective 32-bit hash ("lowbias32"): reference.mix32.
 LIGHTNING_ACT_HD uint32_t mix32(uint32_t x) { return mix32_tail(x ^ (x >> 16)); }
 
-// Key of the noise stream of the elements whose index has high half `index_high`
-// (reference._stream_key). A group never straddles two streams: group sizes divide 2**32.
+// Noise stream key for indices with high half `index_high` (reference._stream_key); a group
+// never straddles two streams.
 LIGHTNING_ACT_HD uint32_t stream_key(uint64_t seed, uint32_t index_high) {
   return mix32(static_cast<uint32_t>(seed) ^ mix32(static_cast<uint32_t>(seed >> 32) ^ index_high));
 }
 
-// The noise u in [0, 1) a hash gives: exact in float32, 24 random bits times a power of two.
+// u in [0, 1): 24 hash bits times 2**-24, exact in float32.
 LIGHTNING_ACT_HD float noise_of_hash(uint32_t hash) {
   return mul_rn(static_cast<float>(static_cast<int32_t>(hash >> 8)), 5.9604644775390625e-8f);  // 2**-24
 }
@@ -107,15 +102,13 @@ LIGHTNING_ACT_HD float uniform_noise(uint32_t key, uint64_t index) {
   return noise_of_hash(mix32(static_cast<uint32_t>(index) ^ key));
 }
 
-// uniform_noise over a run of elements whose indices share their bits 16..31, such as a
-// group (group sizes divide 65536 and groups start at multiples of their size). Then
-// x = index ^ key has the same bits 16..31 throughout, so mix32's first step xors every x
-// with the same word: run_key folds that word into the key once and run_noise skips the step.
+// uniform_noise over indices sharing bits 16..31 (any group: sizes divide 65536): mix32's
+// first step is then the same xor for all, so run_key folds it into the key once.
 LIGHTNING_ACT_HD uint32_t run_key(uint32_t key, uint32_t first_index) { return key ^ ((first_index ^ key) >> 16); }
 
 LIGHTNING_ACT_HD float run_noise(uint32_t run_key, uint32_t index) { return noise_of_hash(mix32_tail(index ^ run_key)); }
 
-// float32 bits rounded to a bfloat16 value (still as float32 bits) toward -inf or +inf.
+// float32 bits rounded to bfloat16 (as float32 bits) toward -inf or +inf.
 LIGHTNING_ACT_HD uint32_t bf16_bits_rounded(uint32_t bits, bool upward) {
   const uint32_t truncated = bits & 0xFFFF0000u;  // toward zero
   const bool inexact = (bits & 0xFFFFu) != 0;
@@ -124,9 +117,8 @@ LIGHTNING_ACT_HD uint32_t bf16_bits_rounded(uint32_t bits, bool upward) {
   return away_from_zero ? truncated + 0x10000u : truncated;
 }
 
-// Maps float32 bits to an int32 whose signed order is the numeric order of the floats, with
-// -0 below +0. Reducing these integers gives exact, NaN-free min/max that do not depend on
-// the order in which a kernel visits the values. The map is its own inverse.
+// float32 bits -> int32 in numeric order (-0 below +0), so min/max are exact and
+// order-independent. Self-inverse.
 LIGHTNING_ACT_HD int32_t order_key(uint32_t bits) {
   const uint32_t magnitude_flip = static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31) & 0x7FFFFFFFu;
   return static_cast<int32_t>(bits ^ magnitude_flip);
@@ -136,7 +128,7 @@ LIGHTNING_ACT_HD float key_float(int32_t key) {
   return bits_float(static_cast<uint32_t>(order_key(static_cast<uint32_t>(key))));
 }
 
-// What the first pass over a group gathers: the statistics that fix its (low, step).
+// First-pass statistics of a group, which fix its (low, step).
 struct GroupRange {
   int32_t min_key = INT32_MAX;
   int32_t max_key = INT32_MIN;
@@ -149,20 +141,17 @@ struct GroupRange {
     nonfinite |= static_cast<uint32_t>((bits & kExponentBits) == kExponentBits);
   }
 
-  // add without the test for NaN and Inf: a loop that gathers a group this way sets
-  // `nonfinite` once at the end, from the extreme keys.
+  // add without the NaN/Inf test: callers set `nonfinite` from keys_reach_nonfinite().
   LIGHTNING_ACT_HD void add_ordered(uint32_t bits) {
     const int32_t key = order_key(bits);
     min_key = key < min_key ? key : min_key;
     max_key = key > max_key ? key : max_key;
-    // Positive floats (including +inf) are exactly the bit patterns in (0, 2**31); their
-    // unsigned order is their numeric order.
+    // Positive floats (incl. +inf) are the bits in (0, 2**31), ordered as unsigned ints.
     const uint32_t positive_bits = static_cast<int32_t>(bits) > 0 ? bits : kExponentBits;
     min_positive_bits = positive_bits < min_positive_bits ? positive_bits : min_positive_bits;
   }
 
-  // Whether the keys from min_key to max_key reach NaN or Inf: every finite value's key lies
-  // strictly between those of -inf and +inf, and every NaN's beyond them.
+  // Finite keys lie strictly between those of -inf and +inf; NaNs beyond them.
   LIGHTNING_ACT_HD bool keys_reach_nonfinite() const {
     return max_key >= order_key(kExponentBits) || min_key <= order_key(kSignBit | kExponentBits);
   }
@@ -209,7 +198,7 @@ LIGHTNING_ACT_HD GroupParams group_params(const GroupRange& range, int bits) {
   const uint32_t step_bits = bf16_bits_rounded(float_bits(step), /*upward=*/true);
   params.step = bits_float(step_bits);
   if ((low_bits & kExponentBits) == kExponentBits || (step_bits & kExponentBits) == kExponentBits) {
-    // The group spans more than float32 can hold: stored as NaN, like a non-finite group.
+    // Range overflows float32: stored as NaN, like a non-finite group.
     return GroupParams();
   }
 
@@ -221,14 +210,9 @@ LIGHTNING_ACT_HD GroupParams group_params(const GroupRange& range, int bits) {
   return params;
 }
 
-// The code of a value whose scaled level (its offset in steps plus the noise) is `level`.
-//
-// The reference floors q + u and then clamps to [0, max_level]. Clamping first and then
-// truncating toward zero gives the same integer (the bounds are integers, and every value
-// below 0 floors to a negative code that clamps to 0) without a floor, and keeps the
-// float-to-int conversion in range. A NaN q, reachable only when a group's range overflows
-// float32, becomes code 0 like the reference's float-to-uint8 conversion. Selects rather
-// than branches, so that loops over a group vectorise.
+// Code of scaled level q + u. The reference floors then clamps to [0, max_level]; clamping
+// then truncating gives the same integer with the conversion in range, and NaN -> 0 as in the
+// reference. Selects, not branches, so group loops vectorise.
 LIGHTNING_ACT_HD uint32_t code_of_level(float level, float value, float max_level, bool zero_preserving) {
   level = level > 0.0f ? level : 0.0f;
   level = level < max_level ? level : max_level;
@@ -237,14 +221,12 @@ LIGHTNING_ACT_HD uint32_t code_of_level(float level, float value, float max_leve
   return zero_preserving ? shifted : code;
 }
 
-// The code of one value of a finite group whose step is positive, the group's grid passed
-// as plain values: the form of encode_value that CPU loops over a group vectorise.
+// encode_value for a finite group with positive step, params as scalars (vectorises on CPU).
 LIGHTNING_ACT_HD uint32_t encode_with_step(float value, float low, float step, float max_level, bool zero_preserving,
                                            float noise) {
   return code_of_level(add_rn(div_rn(sub_rn(value, low), step), noise), value, max_level, zero_preserving);
 }
 
-// The code of one value of a group, before packing.
 LIGHTNING_ACT_HD uint32_t encode_value(float value, const GroupParams& params, float noise) {
   if (!params.finite) {
     return 0;
@@ -252,12 +234,11 @@ LIGHTNING_ACT_HD uint32_t encode_value(float value, const GroupParams& params, f
   if (params.step > 0.0f) {
     return encode_with_step(value, params.low, params.step, params.max_level, params.zero_preserving, noise);
   }
-  // A zero step (every value equal, or one positive value besides zeros): the scaled
-  // offset is 0.
+  // Zero step: the scaled offset is 0.
   return code_of_level(add_rn(0.0f, noise), value, params.max_level, params.zero_preserving);
 }
 
-// A group's grid as unpack_dequantize reads it back from its two bfloat16 words.
+// A group's grid as read back from its two bfloat16 stats words.
 struct DecodeParams {
   float low;
   float step;
@@ -272,8 +253,7 @@ LIGHTNING_ACT_HD DecodeParams decode_params(uint16_t stats_low, uint16_t stats_s
   return params;
 }
 
-// Computes the value and then clears its bits for a zero-preserving group's code 0 (+0.0),
-// instead of branching, so that loops over a group vectorise.
+// Zero-preserving code 0 gives +0.0 by masking the bits, not branching, so loops vectorise.
 LIGHTNING_ACT_HD float decode_value(uint32_t code, const DecodeParams& params) {
   const float level = sub_rn(static_cast<float>(code), params.zero_preserving ? 1.0f : 0.0f);
   const float decoded = add_rn(params.low, mul_rn(level, params.step));
@@ -281,9 +261,8 @@ LIGHTNING_ACT_HD float decode_value(uint32_t code, const DecodeParams& params) {
   return bits_float(float_bits(decoded) & keep);
 }
 
-// quantize_pack's column_major read: matrices of `rows x columns` values in row-major
-// memory, read column by column. A cursor walks that read, one value at a time, keeping the
-// memory offset of the value it stands on.
+// column_major read order: row-major `rows x columns` matrices read column by column. The
+// cursor walks it keeping the memory offset.
 struct ColumnMajorCursor {
   int64_t rows;
   int64_t columns;
@@ -311,7 +290,6 @@ struct ColumnMajorOrder {
   int64_t rows;
   int64_t columns;
 
-  // The cursor on value `index` of the read.
   LIGHTNING_ACT_HD ColumnMajorCursor at(int64_t index) const {
     const int64_t values_per_matrix = rows * columns;
     const int64_t matrix = index / values_per_matrix;

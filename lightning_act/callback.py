@@ -1,5 +1,4 @@
-"""The Lightning callback: compresses the activations of every training forward and, with
-an adaptive policy, recalibrates the bits of each saved tensor every N steps."""
+"""The Lightning callback: compresses each training step's saved activations and recalibrates adaptive bits."""
 
 from __future__ import annotations
 
@@ -54,85 +53,50 @@ SUMMARY_ROWS = 20
 class ActCompression(Callback):
     """Store the tensors autograd saves for backward at a few bits per value.
 
-    Capture is armed from ``on_train_batch_start`` to ``on_train_batch_end`` and paused
-    between ``on_before_backward`` and ``on_after_backward``, so it covers automatic and
-    manual optimization, gradient accumulation and optimizer closures; validation and
-    test are never touched.
-
-    Logged under ``act/``: every step, ``saved_mib`` (what the forward's saved tensors would
-    have kept), ``stored_mib`` (what is stored instead), ``compression_ratio`` and
-    ``peak_mib``, the step's peak memory from the callback's first act in the step (a
-    recalibration's probes, forward, backward and optimizer step; absolute, so the model and
-    optimizer state are in it): ``torch.cuda.max_memory_allocated`` on a GPU, whose peak
-    statistics are reset at every step start; on a CPU the live tensors (a counter around
-    the CPU allocator, installed with the kernels), else on Linux the process's
-    resident-memory high-water mark, which includes what the C allocator caches; absent
-    elsewhere. Every ``log_every_n_steps``, per module: ``saved_mib/<module>``,
-    ``stored_mib/<module>`` and ``bits/<module>`` (element-weighted mean bits), for every
-    policy. The end-of-fit summary states the last step's memory per module and the peak.
-
-    With ``budget`` set, each saved tensor gets its own bits (1, 2, 4, 8 or exact) chosen to
-    minimise the estimated gradient variance at that average: the allocation is solved
-    after ``warmup_steps`` and again every ``recalibrate_every_n_steps``, logged per module,
-    and saved in checkpoints.
-
-    With ``memory_target`` set, the bits are chosen the same way within the storage that
-    keeps each step's measured peak at or below the target
-    (:mod:`lightning_act.policy.memory_target`): the first two steps run every tensor at its
-    lowest bits, then the plan moves after each step by what the measured peak leaves, and
-    the tensors' sensitivity is measured after the second step and every
-    ``recalibrate_every_n_steps``. Logged every step: ``memory_target_mib`` and
-    ``predicted_peak_mib`` beside ``peak_mib``. A target that a step at the lowest bits cannot
-    meet, with what it leaves for later steps (optimizer state, gradients), raises
-    :class:`MemoryTargetError` from the first step on, naming the least reachable peak and what
-    occupies it; a larger batch starts the loop again from the lowest bits, so Lightning's
-    ``BatchSizeFinder`` finds the largest batch that fits the target.
+    Only training steps are compressed (automatic or manual optimization, gradient accumulation);
+    validation and test are not. Each step logs ``saved_mib``, ``stored_mib``, ``compression_ratio``
+    and ``peak_mib`` under ``act/``, and per module every ``log_every_n_steps`` (``docs/reference.md``).
 
     Args:
         bits: bits per stored value for every tensor (fixed policy): 1, 2, 4 or 8.
-        budget: average bits per value for the adaptive policy (fractional allowed, 1 to
-            8); per-group statistics count, so ``budget=2`` stores what ``bits=2`` stores.
-            Mutually exclusive with a non-default ``bits``.
-        memory_target: the peak each training step may reach, parameters, gradients,
-            optimizer state and backward's buffers included: bytes (an int), a size
-            (``"20GiB"``, ``"512MiB"``) or a fraction in (0, 1] of the device's memory.
-            Measured as live tensors (on a GPU, as ``torch.cuda.max_memory_allocated``).
-            Mutually exclusive with ``budget`` and a non-default ``bits``.
-        rules: overrides by module and by op, first match wins: a key is a pattern on the
-            qualified module name (relative to the LightningModule, e.g. ``"net.layer4.*"``)
-            or ``"op:"`` and a pattern on the torch function that saved the tensor
-            (``"op:scaled_dot_product_attention"``); a value pins the bits (1, 2, 4, 8,
-            ``"exact"``), the codec (``"quant"``, ``"division"``, ``"pool"``) or both
+        budget: average bits per value (1 to 8, fractional allowed) for the adaptive policy, which
+            gives each saved tensor 1, 2, 4, 8 bits or exact to minimise the estimated gradient
+            variance, after ``warmup_steps`` and every ``recalibrate_every_n_steps`` (checkpointed).
+            Statistics count, so ``budget=2`` stores what ``bits=2`` does. Not with a non-default ``bits``.
+        memory_target: the peak each training step may reach, parameters, gradients, optimizer state
+            and backward's buffers included: bytes (an int), a size (``"20GiB"``) or a fraction in
+            (0, 1] of the device's memory. Bits are chosen as for ``budget`` within what keeps the
+            measured peak of live tensors at or below it (so ``BatchSizeFinder`` finds the largest
+            batch that fits); raises :class:`MemoryTargetError` if the lowest bits cannot. Not with
+            ``budget`` or a non-default ``bits``.
+        rules: overrides, first match wins: a key is a pattern on the module name relative to the
+            LightningModule (``"net.layer4.*"``) or ``"op:"`` and a pattern on the torch function
+            that saved the tensor (``"op:scaled_dot_product_attention"``); a value pins the bits
+            (1, 2, 4, 8, ``"exact"``), the codec (``"quant"``, ``"division"``, ``"pool"``) or both
             (``"division:4"``). See :class:`~lightning_act.policy.SaveRules`.
-        group_size: consecutive values sharing one (low, step) pair, a power of two in
-            [8, 65536].
+        group_size: consecutive values sharing one (low, step) pair, a power of two in [8, 65536].
         min_numel: saved tensors with fewer elements are kept as they are.
-        seed: seeds the rounding noise, which has its own stream: turning compression on
-            never changes the user's random numbers (dropout masks, data order).
+        seed: seeds the rounding noise, which has its own stream: the user's random numbers
+            (dropout masks, data order) never change.
         codec: how float activations are stored: ``"quant"`` (per-group quantization),
-            ``"division"`` (DIVISION: 16-bit ``block`` x ``block`` averages plus the residual
-            at ``bits``) or ``"pool"`` (an average-pooled copy; lossy and biased). Masks,
-            indices, LeakyReLU's and dropout's 1-bit tensors are always stored losslessly,
-            and ReLU outputs by the quantizer, which keeps their zeros exact.
+            ``"division"`` (16-bit ``block`` x ``block`` averages plus the residual at ``bits``)
+            or ``"pool"`` (an average-pooled copy; lossy and biased). Masks, indices, LeakyReLU's
+            and dropout's 1-bit tensors are stored losslessly, ReLU outputs by the quantizer.
         block: DIVISION's tile, or the pool codec's kernel.
-        group_order: ``"auto"`` lets each saved tensor's quantization groups run along the
-            axis where its first step measures the least rounding noise (along the tokens
-            for a transformer's outlier features); ``"memory"`` keeps them along the last.
-        unfused_recurrent: run ``nn.LSTM``/``nn.GRU``/``nn.RNN`` through aten's per-step
-            ops instead of the fused oneDNN or cuDNN kernel, whose opaque workspace cannot be
-            compressed: less memory, more time (``docs/reference.md``, "Recurrent layers").
-        estimator: how the adaptive policy measures sensitivity: ``"gradient"`` reuses the
-            normal training steps (no extra passes); ``"probe"`` measures each saved
-            tensor's gradient error on ``probe_samples`` samples of the batch, linearized:
-            one forward and backward, the nodes that read each tensor once more, and a few
-            forwards, whatever the depth; ``"probe_per_tensor"`` measures the same as GACT
-            does, one backward per saved tensor (a cost that grows with depth).
+        group_order: ``"auto"`` runs each tensor's quantization groups along the axis where its
+            first step measures the least rounding noise; ``"memory"`` along the last.
+        unfused_recurrent: run ``nn.LSTM``/``nn.GRU``/``nn.RNN`` through aten's per-step ops instead
+            of the fused kernel, whose opaque workspace cannot be compressed: less memory, more time
+            (``docs/reference.md``, "Recurrent layers").
+        estimator: how the adaptive policy measures sensitivity: ``"gradient"`` from the normal
+            training steps (no extra passes); ``"probe"`` by each tensor's linearized gradient
+            error on ``probe_samples`` samples (a few passes, whatever the depth);
+            ``"probe_per_tensor"`` as GACT does, one backward per saved tensor.
         recalibrate_every_n_steps: optimizer steps between recalibrations.
         warmup_steps: optimizer steps at the default bits before the first calibration.
         calibration_steps: training steps whose statistics feed one ``"gradient"`` estimate.
-        probe_samples: batch rows the ``"probe"`` estimator uses at most: fewer where the
-            probes would peak above the last step (then none: the ``"gradient"`` estimator
-            measures that recalibration).
+        probe_samples: most batch rows the ``"probe"`` estimator uses; fewer where the probes would
+            peak above the last step (none: ``"gradient"`` measures that recalibration).
 
     Raises:
         ValueError: a setting is out of range; the message names it and what is allowed.
@@ -212,8 +176,7 @@ class ActCompression(Callback):
         self.last_report = CompressionReport()
         self.sensitivity: dict[str, dict[int, float]] = {}
         self.recalibration_ms = 0.0
-        # A memory target measures its tensors' sensitivity as soon as the probes can be
-        # sized by a step after the fit's first (see _recalibrate).
+        # A memory target measures sensitivity as soon as a step after the first can size the probes.
         self._next_calibration = 2 if memory_target is not None else warmup_steps
         self._calibration_end: int | None = None
         self._gradient_estimate: GradientSensitivity | None = None
@@ -232,8 +195,7 @@ class ActCompression(Callback):
         self._lasting_peak_bytes: int | None = None
         self._probe_cost = ProbeCost()
         self._measured_steps = 0  # in this fit
-        # A recalibration's table waits for the first step run under its bits: its shapes and
-        # stored bytes are then the batch's and those bits' own.
+        # Logged after the first step under the new bits, whose shapes and stored bytes it reports.
         self._pending_allocation: tuple[int, dict[str, dict[int, float]], dict[str, float]] | None = None
         self._restored_group_axes: dict[str, int | None] = {}
         self._told_all_exact = False
@@ -299,9 +261,7 @@ class ActCompression(Callback):
         self._measured_steps = 0
         if self.targeted:
             self.policy.restart()  # measured afresh in each fit
-            # An earlier fit's trainer, model and optimizer state in one process (a sweep, a
-            # batch-size search) sit in reference cycles until the collector runs: a seed's
-            # run after two earlier fits peaked 5 MiB (22%) higher with them, 22.83 without.
+            # Earlier fits' objects in this process sit in reference cycles until collected: free them.
             gc.collect()
         if self.adaptive and self.estimator in _PROBE_METHODS and not pl_module.automatic_optimization:
             rank_zero_warn(
@@ -314,7 +274,7 @@ class ActCompression(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         if self.capture is None:
             return
-        # The step's peak counts all the library does in it, a recalibration's probes included.
+        # The step's peak includes a recalibration's probes.
         if self.targeted or self.adaptive:  # their plans and probes are sized by the lasting peak
             self._step_peak.follow_optimizers(trainer.optimizers, update_hooks=False)
         self._step_peak.start()
@@ -323,8 +283,7 @@ class ActCompression(Callback):
         if self.adaptive and self._calibration_end is None and trainer.global_step >= self._next_calibration:
             self._recalibrate(trainer, pl_module, batch, batch_idx)
         self.capture.estimator = self._gradient_estimate
-        # Reproducible per step and distinct per rank and micro-batch: resuming a run
-        # replays the same rounding noise, and ranks do not share (correlated) noise.
+        # Per step, rank and micro-batch: a resumed run replays its noise; ranks' noise is uncorrelated.
         stream = splitmix64((trainer.global_step << 24) ^ (batch_idx << 8) ^ trainer.global_rank)
         self.capture.start(inputs=batch, seed=splitmix64(self.config.seed ^ stream))
         if getattr(pl_module, "_compiler_ctx", None) is not None:  # trainer.fit(torch.compile(module))
@@ -359,8 +318,7 @@ class ActCompression(Callback):
         }
         self.last_peak_bytes = self._step_peak.peak_bytes()
         self._measured_steps += self.last_peak_bytes is not None
-        # Automatic optimization clears the gradients after the forward: a step's last
-        # gradients are held through the next step's forward (manual: wherever the user does).
+        # Automatic optimization clears gradients after the forward: they live through the next forward.
         forward_peak = self.last_forward_peak_bytes if pl_module.automatic_optimization else None
         self._lasting_peak_bytes = self._step_peak.lasting_peak_bytes(forward_peak)
         if self.last_peak_bytes is not None:
@@ -417,8 +375,7 @@ class ActCompression(Callback):
                 f"{self.max_peak_bytes / MIB:.2f} MiB at most; compressing saved activations lowers the peak less "
                 "than the kept memory, since parameters, gradients, optimizer state and backward's buffers stay"
             )
-            # Only the device allocator's counters tell where the peak lies: the C allocator
-            # on a CPU keeps freed memory resident, so backward reuses it unseen.
+            # Only live-tensor counts locate the peak: a resident figure hides reused freed memory.
             forward_peak = self.last_forward_peak_bytes if self._step_peak.exact else None
             if forward_peak is not None and forward_peak >= 0.99 * self.last_peak_bytes:
                 lines.append(
@@ -448,16 +405,14 @@ class ActCompression(Callback):
 
     # ----------------------------------------------------------------- recalibration
     def _recalibrate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        """Measure the tensors' sensitivity by probes where they fit in the room the last
-        step left, else by the gradient estimator over the next steps (no memory of its own)."""
+        """Measure sensitivity by probes where they fit in the room the last step left, else by
+        the gradient estimator over the next steps (no memory of its own)."""
         if self.estimator in _PROBE_METHODS:
             if self._step_peak.live_bytes() is not None and self._measured_steps < 2:
-                # The probes are sized by a measured step, and a fit's first one is not like
-                # the rest (its one-off allocations: optimizer state, first-call set-ups).
+                # The probes are sized by a measured step other than the first (one-off allocations).
                 return
             if pl_module.automatic_optimization and batch_idx % trainer.accumulate_grad_batches == 0:
-                # This step's zero_grad clears the gradients after its forward: they are
-                # dead now, and the probes' own gradient takes their place.
+                # This step's zero_grad would clear them after its forward: free them for the probes.
                 for optimizer in trainer.optimizers:
                     optimizer.zero_grad(set_to_none=True)
             rows = self._probe_rows(batch)
@@ -483,17 +438,16 @@ class ActCompression(Callback):
         self._calibration_end = trainer.global_step + self.calibration_steps
 
     def _probe_room(self) -> int:
-        """Bytes the probes may hold above the live tensors now: up to the last step's
-        lasting peak (and a memory target), so that the step probing peaks no higher than
-        ``PROBE_SLACK`` times the steps around it."""
+        """Bytes the probes may hold above the live tensors now, so that the step peaks no higher
+        than ``PROBE_SLACK`` times the last lasting peak (nor above a memory target)."""
         ceiling = int(PROBE_SLACK * self._lasting_peak_bytes)
         if self.targeted:
             ceiling = min(ceiling, self.policy.target_bytes)
         return ceiling - self._step_peak.live_bytes()
 
     def _probe_rows(self, batch: Any) -> int:
-        """The most batch rows, up to ``probe_samples``, whose probes fit the room (0 if
-        none do; a batch the probes take whole counts as one row)."""
+        """The most batch rows, up to ``probe_samples``, whose probes fit the room (0: none; a
+        batch taken whole counts as one row)."""
         rows = _batch_rows(batch)
         wanted = 1 if rows is None else min(self.probe_samples, rows)
         if self._step_peak.live_bytes() is None:  # nothing to size them by
@@ -520,8 +474,7 @@ class ActCompression(Callback):
                 out = pl_module.training_step(sample, batch_idx)
             return out["loss"] if isinstance(out, Mapping) else out
 
-        # A compiled backward frees what its graph saved as it runs (donated buffers), so it
-        # cannot run once per probe: the probes run compiled code eagerly.
+        # A compiled backward frees its saved buffers as it runs, so cannot run per probe: run eagerly.
         with torch.compiler.set_stance("force_eager"):
             sensitivity, held = self._step_peak.peak_of(
                 lambda: self.capture.measure_sensitivity(
@@ -593,11 +546,9 @@ class ActCompression(Callback):
     )
 
     def _follow_batch_size_search(self, pl_module: pl.LightningModule) -> None:
-        """Compress the trial steps of Lightning's batch-size search (``BatchSizeFinder``,
-        ``Tuner.scale_batch_size``), which switches every callback off while it runs, but
-        still calls the LightningModule's own hooks: this callback's step hooks run from
-        those until the search is over. The batch found is then the one that fits
-        compressed (with a memory target: the largest whose steps fit the target)."""
+        """Compress the trial steps of Lightning's batch-size search, which switches callbacks off
+        but still calls the LightningModule's hooks: ours run from those until the search ends, so
+        the batch found is the one that fits compressed (or fits the memory target)."""
         for name in self._STEP_HOOKS:
             setattr(
                 pl_module,
@@ -632,8 +583,7 @@ class ActCompression(Callback):
         figures = {f"{LOG_PREFIX}/memory_target_mib": self.policy.target_bytes / MIB}
         if self.policy.predicted_peak is not None:
             figures[f"{LOG_PREFIX}/predicted_peak_mib"] = self.policy.predicted_peak / MIB
-        # Compiling allocates in the step it happens in (inductor's constants, autotuning
-        # buffers): over the target, such a step's peak may not be the plan's.
+        # A compiling step allocates extra (constants, autotuning): its peak may not be the plan's.
         verdict = self.policy.observe(lasting, self.capture.slots, compiled=self.capture.compiled_in_session)
         if verdict is Verdict.UNREACHABLE:
             self.policy.restart()  # a batch-size search goes on with a smaller batch
@@ -724,13 +674,10 @@ def _this_hook_then(callback_hook, pl_module: pl.LightningModule, module_hook, *
 
 
 class ProbeCost:
-    """What a recalibration's probes hold above the live tensors before them, predicted
-    for a number of batch rows: a part per row (the rows' saves held exact, the gradients
-    their exact backward passes on, the errors routed to their activations: each about the
-    rows' saved bytes) and a fixed part (the exact parameter gradient, a perturbed copy of
-    the parameters, a reading node's temporaries), from multiples of the saved bytes and
-    the trainable parameters' that the probes of ResNet-18 and a transformer held. Each
-    probe's measured peak rescales the prediction for the next."""
+    """Predicts what a recalibration's probes hold above the live tensors, for a number of batch
+    rows: a part per row (the rows' exact saves, gradients and routed errors) and a fixed part (the
+    exact parameter gradient, a perturbed parameter copy, temporaries). Each probe's measured peak
+    rescales the prediction for the next."""
 
     #: Bytes per row, per saved byte of one row of the step.
     PER_ROW = 2.0
@@ -752,8 +699,7 @@ class ProbeCost:
 
 
 def _batch_rows(batch: Any) -> int | None:
-    """Rows of a batch as :func:`_leading_rows` slices it: the leading size of its first
-    tensor with a dimension (None: no such tensor, the probes take the batch whole)."""
+    """Leading size of the batch's first tensor with a dimension (None: the probes take it whole)."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else None
     values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
@@ -789,6 +735,5 @@ class _muted_logging:
 
 
 def _is_compiled(pl_module: pl.LightningModule) -> bool:
-    """Whether the module trains compiled: ``trainer.fit(torch.compile(module))``, or a
-    submodule compiled (``torch.compile(submodule)`` or ``submodule.compile()``)."""
+    """Whether the module, or a submodule, trains compiled (``torch.compile`` or ``.compile()``)."""
     return getattr(pl_module, "_compiler_ctx", None) is not None or any(map(runs_compiled, pl_module.modules()))

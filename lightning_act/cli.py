@@ -1,20 +1,15 @@
 """The ``lightning-act`` command: LightningCLI with the callback and the example classes.
 
-``lightning-act fit --config configs/cifar10_resnet18.yaml`` trains from a YAML file;
-every class of :mod:`lightning_act` and :mod:`lightning_act.examples` is accepted by its
-short name (``class_path: ActCompression``, ``--model=ImageClassifier``). Without
-``--config``, ``--model`` or ``--data``, the quickstart (``configs/quickstart.yaml``) is
-the default configuration, so ``lightning-act fit`` alone trains a small network on
-generated data. A rejected setting ends the command with one line naming the setting,
-the value and what is allowed, and exit status 2.
+Every class of :mod:`lightning_act` and :mod:`lightning_act.examples` is accepted by its short name
+(``class_path: ActCompression``, ``--model=ImageClassifier``). Without ``--config``, ``--model`` or
+``--data``, ``configs/quickstart.yaml`` is the default. A rejected setting ends the command with one
+line naming the setting, the value and what is allowed, and exit status 2.
 
-Where a setting comes from matters in two cases. A relative path that a config file gives
-to a model or data argument typed as a path (``str | os.PathLike``: ``--data.root``,
-``--data.data_dir``, ``--data.path``) is resolved against the repository root when the
-package runs from a checkout, so ``configs/`` run from any folder; a path typed on the
-command line stays relative to the current folder. And one of ``--trainer.callbacks.bits``,
-``--trainer.callbacks.budget`` or ``--trainer.callbacks.memory_target`` on the command line
-switches a config's other two off (back to their defaults).
+A relative path that a config file gives to a model or data argument typed ``str | os.PathLike``
+resolves against the repository root when run from a checkout, so ``configs/`` work from any folder;
+one typed on the command line stays relative to the current folder. One of
+``--trainer.callbacks.bits``, ``budget`` or ``memory_target`` on the command line resets a config's
+other two to their defaults.
 """
 
 from __future__ import annotations
@@ -74,8 +69,7 @@ class ActArgumentParser(LightningArgumentParser):
     """Reports a rejected setting in one line instead of jsonargparse's nested explanation."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        # Nested parsers raise so that the enclosing parser can explain; only the
-        # outermost one prints.
+        # Nested parsers raise so that the enclosing parser can explain; only the outermost prints.
         if not self.exit_on_error:
             super().error(message, ex)
         sys.stderr.write(f"{self.prog.replace(' [options]', '')}: error: {one_line(message)}\n")
@@ -83,17 +77,12 @@ class ActArgumentParser(LightningArgumentParser):
 
 
 class ActCLI(LightningCLI):
-    """LightningCLI with the subcommands fit, validate and test.
-
-    Any LightningModule and LightningDataModule subclass is accepted (``--model``,
-    ``--data``), the resolved configuration is saved next to the logs (overwriting a
-    previous one), and a bad setting fails in one line.
+    """LightningCLI with fit, validate and test, any LightningModule and LightningDataModule
+    subclass, the resolved config saved next to the logs (overwriting), and one-line errors.
 
     Args:
-        args: command line arguments (without the program name); ``None`` reads
-            ``sys.argv``.
-        run: run the subcommand; with ``False`` the objects are only built (no
-            subcommand is parsed then).
+        args: command line arguments (without the program name); ``None`` reads ``sys.argv``.
+        run: run the subcommand; ``False`` only builds the objects (no subcommand is parsed).
         **kwargs: passed to :class:`~lightning.pytorch.cli.LightningCLI`.
     """
 
@@ -145,14 +134,12 @@ class ActCLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point of the ``lightning-act`` console script and of ``python -m lightning_act``.
+    """Entry point of ``lightning-act`` and ``python -m lightning_act``.
 
     Args:
-        args: command line arguments (without the program name); ``None`` reads
-            ``sys.argv``.
+        args: command line arguments (without the program name); ``None`` reads ``sys.argv``.
     """
-    # Lightning's loaders build torch's LeafSpec, which torch deprecates: a warning on every
-    # run about Lightning's internals that no setting of this command can act on.
+    # torch deprecates the LeafSpec check in Lightning's loaders: a warning no setting here can act on.
     warnings.filterwarnings(
         "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
     )
@@ -175,8 +162,8 @@ def _command_line_keys(argv: list[str]) -> set[str]:
 
 
 def _resolve_paths_from_config(section: Any, key: str, root: Path, given: set[str]) -> None:
-    """Resolve the relative path arguments of one class (``model`` or ``data``) against ``root``,
-    except those set on the command line."""
+    """Resolve one class's (``model`` or ``data``) relative path arguments against ``root``, except
+    those set on the command line."""
     if section is None or not isinstance(section.get("class_path"), str):
         return
     cls = _import(section["class_path"])
@@ -202,9 +189,8 @@ _POLICY_KNOBS = ("bits", "budget", "memory_target")
 
 
 def _command_line_policy_wins(trainer: Any, given: set[str]) -> None:
-    """One of ``--trainer.callbacks.bits``, ``budget`` or ``memory_target`` on the command
-    line sets the others back to their defaults in the callback it reaches, the last of the
-    list, when that is ActCompression."""
+    """One of ``bits``, ``budget`` or ``memory_target`` set on the command line resets the other two
+    in the callback it reaches (the list's last) when that is ActCompression."""
     callbacks = trainer.get("callbacks") if trainer is not None else None
     if not callbacks or not isinstance(callbacks, list) or not isinstance(callbacks[-1].get("class_path"), str):
         return
@@ -246,12 +232,9 @@ _NOT_ACCEPTED = re.compile(r"\s*Option '([^']+)' is not accepted")
 
 
 def one_line(message: str) -> str:
-    """Condense jsonargparse's indented explanation of a rejected value into one line.
-
-    The result names the setting, the value given and what is allowed, for example
-    ``ImageClassifier (model): optimizer=adam is not valid; allowed: 'sgd', 'adamw'``.
-    Messages that are already one line pass through unchanged.
-    """
+    """Condense jsonargparse's indented explanation of a rejected value into one line naming the
+    setting, the value and what is allowed: ``ImageClassifier (model): optimizer=adam is not valid;
+    allowed: 'sgd', 'adamw'``. One-line messages pass through unchanged."""
     lines = [line for line in message.strip().splitlines() if line.strip()]
     if len(lines) <= 1:
         return message.strip()

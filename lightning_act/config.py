@@ -16,31 +16,24 @@ class CompressionConfig:
 
     Args:
         bits: bits per stored value, one of 1, 2, 4, 8.
-        group_size: consecutive values that share one (low, step) pair, a power of two in
-            [8, 65536]. Smaller groups track the data more closely and cost more statistics:
-            each group adds 32 bits.
-        min_numel: tensors with fewer elements are kept as they are; compressing them saves
-            little and costs a kernel launch each.
-        seed: seeds the rounding noise. The noise has its own counter-based stream, so
-            compression never draws from (or shifts) torch's global random generator.
-        codec: how floating-point activations are stored: ``"quant"`` (per-group
-            stochastic quantization at ``bits``), ``"division"`` (DIVISION: a 16-bit
-            ``block`` x ``block`` average plus the residual at ``bits``; conv and sequence
-            activations, others fall back to ``"quant"``) or ``"pool"`` (an average-pooled
-            copy, ``block`` x ``block``; lossy and biased, see :mod:`lightning_act.codecs.pool`).
-            Boolean masks and integer indices are always stored losslessly in the fewest
-            bits they need.
+        group_size: consecutive values sharing one (low, step) pair, a power of two in [8, 65536];
+            smaller groups track the data more closely, at 32 bits of statistics each.
+        min_numel: tensors with fewer elements are kept as they are (little to save, a launch each).
+        seed: seeds the rounding noise, a counter-based stream of its own: torch's global
+            generator is never drawn from.
+        codec: how floating-point activations are stored: ``"quant"`` (per-group stochastic
+            quantization at ``bits``), ``"division"`` (DIVISION: a 16-bit ``block`` x ``block``
+            average plus the residual at ``bits``, for conv and sequence activations, else
+            ``"quant"``) or ``"pool"`` (a ``block`` x ``block`` average-pooled copy; lossy and
+            biased, see :mod:`lightning_act.codecs.pool`). Masks and indices are always stored
+            losslessly in the fewest bits they need.
         block: DIVISION's low-frequency tile, or the pool codec's kernel (>= 2).
-        group_order: which way the quantizer's groups run: ``"auto"`` decides per saved
-            tensor, on the first step it is saved in, between memory order (along the last
-            axis) and down the columns (along the axis before it), whichever rounds with
-            less noise (see :mod:`lightning_act.capture.group_order`); ``"memory"`` always
-            uses memory order.
-        unfused_recurrent: run ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` through aten's
-            per-step ops rather than oneDNN's (CPU) or cuDNN's (GPU) fused kernel while
-            capturing, so that what they save can be compressed: the fused kernels save an
-            opaque byte workspace that must be kept whole. Trades time for memory (see
-            ``docs/reference.md``, "Recurrent layers").
+        group_order: ``"auto"`` runs each tensor's quantizer groups along the last axis or the one
+            before it, whichever rounds with less noise on its first step
+            (:mod:`lightning_act.capture.group_order`); ``"memory"`` always along the last.
+        unfused_recurrent: run ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` through aten's per-step ops
+            instead of the fused oneDNN/cuDNN kernel, whose opaque workspace must be kept whole:
+            more time, less memory (``docs/reference.md``, "Recurrent layers").
 
     Raises:
         ValueError: a setting is out of range; the message names it and what is allowed.

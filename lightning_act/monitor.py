@@ -1,8 +1,6 @@
-"""What goes to the loggers: the step's peak memory, per-module memory and bits, the
-allocation table, and a bits heatmap.
+"""What goes to the loggers: step peak memory, per-module memory and bits, the allocation table, a bits heatmap.
 
-Scalars go to every Lightning logger; histograms, text and images only to TensorBoard
-loggers (other loggers have no common API for them). Keys share one prefix.
+Scalars go to every logger; histograms, text and images only to TensorBoard (others have no common API for them).
 """
 
 from __future__ import annotations
@@ -27,23 +25,16 @@ _PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
 class StepPeakMemory:
-    """The peak memory of one training step, measured at almost no cost.
+    """The absolute peak memory of one training step (model, optimizer state and batch included).
 
-    * CUDA: ``torch.cuda.max_memory_allocated`` since :meth:`start`, which resets the
-      device's peak statistics (so a ``max_memory_allocated`` read elsewhere also covers
-      the current step only): every live tensor counted, the allocator's cache not.
-    * CPU: the same live-tensor figure, from a counter around the CPU allocator (installed
-      with the CPU kernels, ``csrc/live_memory.cpp``): what tensors allocated since it was
-      installed hold, plus the model's parameters and buffers allocated before. Without the
-      kernels, on Linux, the process's resident high-water mark (``VmHWM``) instead, which
-      also counts what the C allocator keeps for reuse, so it reads higher than the live
-      tensors, by an amount that depends on the order of allocations (``docs/reference.md``,
-      "A CPU's resident peak").
-    * Elsewhere: no figure, ``peak_bytes()`` is None.
-
-    The figure is absolute (model, optimizer state and batch included), as the memory a
-    device must hold for the step to fit. On a Linux CPU the resident high-water mark is
-    read as well (:meth:`resident_peak_bytes`).
+    * CUDA: ``torch.cuda.max_memory_allocated`` since :meth:`start`, which resets the device's peak
+      statistics for every reader: live tensors, not the allocator's cache.
+    * CPU: live tensors, from a counter around the CPU allocator installed with the CPU kernels
+      (``csrc/live_memory.cpp``), plus the parameters and buffers allocated before it. Without the
+      kernels, on Linux, the resident high-water mark (``VmHWM``), which also counts what the C
+      allocator caches (``docs/reference.md``, "A CPU's resident peak"). A Linux CPU reads it
+      beside the counter too (:meth:`resident_peak_bytes`).
+    * Elsewhere: ``peak_bytes()`` is None.
     """
 
     def __init__(self, device: torch.device, model: torch.nn.Module | None = None):
@@ -76,13 +67,12 @@ class StepPeakMemory:
             self.source = "resident high-water mark (VmHWM)" if self._resident else None
 
     def follow_optimizers(self, optimizers: Sequence[torch.optim.Optimizer], update_hooks: bool = True) -> None:
-        """Also measure, in each step, the state ``optimizers`` allocate and the peak before
-        their first update (see :meth:`lasting_peak_bytes`).
+        """Also measure the state ``optimizers`` allocate each step and the peak before their first
+        update (see :meth:`lasting_peak_bytes`).
 
         Args:
-            update_hooks: take that peak in the optimizers' step pre-hooks; else the caller
-                calls :meth:`before_update` (Lightning runs the forward and backward in a
-                closure inside ``optimizer.step``, after its pre-hooks).
+            update_hooks: take that peak in the optimizers' step pre-hooks; else the caller calls
+                :meth:`before_update` (Lightning's closure runs the step inside ``optimizer.step``).
         """
         optimizers = list(optimizers)
         if optimizers == self._optimizers:
@@ -135,9 +125,8 @@ class StepPeakMemory:
         return None
 
     def peak_of(self, work: Callable[[], Any]) -> tuple[Any, int | None]:
-        """Run ``work`` within the step and return what it returns and its own peak above
-        the live tensors before it (None where live tensors are not counted). The step's
-        peak keeps what came before."""
+        """Run ``work`` within the step; return its result and its own peak above the live tensors
+        before it (None where live tensors are not counted)."""
         before = self.live_bytes()
         if before is None:
             return work(), None
@@ -158,14 +147,11 @@ class StepPeakMemory:
             torch.ops.lightning_act.live_memory_reset_peak()
 
     def lasting_peak_bytes(self, forward_peak: int | None = None) -> int | None:
-        """The peak every later step of the same work reaches at least. It is this step's,
-        or more where the step left something that later steps hold throughout: the state
-        its optimizers allocated (lazily, in the first update, after the step's peak) counts
-        from the peak before that update on; given ``forward_peak`` (the peak up to the end
-        of the forward, in a loop that clears gradients only after the next forward, as
-        Lightning's does), so do the gradients the step left that it did not begin with.
-        With SGD's momentum a first Lightning step of a ViT peaked at 44.3 MiB, the second at
-        64.8: 10.3 MiB of momentum and 10.3 of gradients more through its forward."""
+        """The peak every later step of the same work reaches at least: this step's, or more where it
+        left what later steps hold throughout. Optimizer state allocated lazily in the first update
+        counts from the peak before that update; given ``forward_peak`` (the peak at the end of the
+        forward, in a loop that clears gradients after the next forward, as Lightning's does), so do
+        gradients the step did not begin with."""
         peak = self.peak_bytes()
         if peak is None or (self._update_peak is None and forward_peak is None):
             return peak
@@ -199,8 +185,7 @@ def storage_bytes(tensors) -> int:
 def step_holdings(
     model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], batch_tensors, saved_bytes: int
 ) -> dict[str, int]:
-    """Bytes a training step holds by what holds them: parameters, gradients, optimizer
-    state, the batch and the forward's saved tensors (``saved_bytes``)."""
+    """Bytes a training step holds, by holder: parameters, gradients, optimizer state, batch, saves."""
     parameters = list(model.parameters())
     return {
         "parameters": storage_bytes(parameters),
@@ -240,8 +225,7 @@ def _reset_high_water_mark() -> bool:
 
 
 def module_memory_scalars(prefix: str, report: CompressionReport, slots: Mapping[str, SlotInfo]) -> dict[str, float]:
-    """Per module: MiB its saved tensors would have kept, MiB stored instead, and the
-    element-weighted mean bits of its compressed float tensors (for every policy)."""
+    """Per module: MiB saved, MiB stored instead, and the element-weighted mean bits."""
     scalars: dict[str, float] = {}
     for module, memory in report.modules.items():
         scalars[f"{prefix}/saved_mib/{module}"] = memory.saved_bytes / MIB
@@ -280,12 +264,9 @@ def allocation_table(
     variance: Mapping[str, Mapping[int, float]],
     report: CompressionReport,
 ) -> str:
-    """A markdown table: slot, module, the op that saved it, shape, bits, codec, bytes kept vs
-    stored, and the estimated variance the tensor adds at 2 bits (its sensitivity) and at its
-    chosen bits, in the estimator's units (see :mod:`lightning_act.policy.estimators`).
-
-    Shapes, codecs and bytes are ``report``'s: pass the report of a step that ran under
-    ``assignment``, so that they are the batch's and the bits' own."""
+    """A markdown table per slot: module, op, shape, bits, codec, bytes saved and stored, and the
+    estimated variance at 2 bits and at its bits (:mod:`lightning_act.policy.estimators`' units).
+    Shapes, codecs and bytes come from ``report``: pass one of a step run under ``assignment``."""
     lines = [
         "| tensor | module | op | shape | bits | codec | saved KiB | stored KiB | variance at 2 bits | at its bits |",
         "|---|---|---|---|---|---|---:|---:|---:|---:|",
@@ -345,8 +326,7 @@ def log_allocation(
     history_steps: Sequence[int],
     cost: Mapping[str, float],
 ) -> None:
-    """Log one recalibration: its cost and mean bits everywhere, media to TensorBoard (the
-    bits per module are logged with the memory, :func:`log_module_memory`)."""
+    """Log one recalibration: its cost and mean bits everywhere, media to TensorBoard."""
     scalars = {f"{prefix}/{key}": value for key, value in cost.items()}
     if any(s in slots for s in assignment):
         total = sum(slots[s].numel for s in assignment if s in slots)

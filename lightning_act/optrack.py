@@ -1,41 +1,20 @@
 """Which op is saving a tensor right now: the torch function running when a pack hook fires.
 
-Autograd calls the pack hook of ``torch.autograd.graph.saved_tensors_hooks`` from inside
-the op that saves the tensor, so the op that is running is the op that saves. The
-:class:`OpTracker` is a :class:`torch.overrides.TorchFunctionMode` that notes the name of
-every torch function while it runs: ``"relu"``, ``"conv2d"``, ``"max_pool2d"``,
-``"dropout"``, ``"linear"``, ``"softmax"``, ``"layer_norm"``,
-``"scaled_dot_product_attention"``, and so on. A pack hook asks :meth:`OpTracker.current`
-and can then pick a codec by op: a 1-bit sign mask for ReLU's saved output, a narrow
-integer codec for indices (whose bound :func:`saved_index_range` reads off the call, with
-no device synchronisation), the plain quantizer elsewhere.
+A pack hook runs inside the op that saves, so :class:`OpTracker`, a ``TorchFunctionMode`` noting each
+running torch function (``"relu"``, ``"conv2d"``, ...), lets it pick a codec by op: a sign mask for
+ReLU's output, a narrow integer codec for indices (bounded by :func:`saved_index_range` from the
+call, with no device synchronisation), the quantizer elsewhere.
 
-What it sees:
+It sees the *outermost* torch function of a call (``F.relu`` is ``"relu"``; ``F.max_pool2d`` is
+``"max_pool2d"`` although ATen saves ``max_pool2d_with_indices``' indices), tensor methods and
+operators (``x * y`` is ``"mul"``), and functions, not modules (``nn.Conv2d`` is ``"conv2d"``). What
+a custom ``autograd.Function`` saves reads as None, or as the enclosing torch function. Under
+``torch.compile`` Dynamo traces the handler as user code, so ``fullgraph=True`` holds (an
+``is_compiling()`` branch in it gave ``nn.GRU``'s eager fallback an ``int`` for ``input.dtype``).
+A compiled graph's saves read as None: the capture decides them from the compiled backward graph
+(:mod:`lightning_act.capture.compiled`).
 
-* the *outermost* torch function of a call. While a mode's handler runs the mode is
-  switched off, so ``F.relu`` is reported as ``"relu"`` and the ``torch.relu`` it calls is
-  not seen; ``F.max_pool2d`` is ``"max_pool2d"`` although ATen saves the indices of
-  ``max_pool2d_with_indices``. Tensor methods and operators count too (``x.relu()`` is
-  ``"relu"``, ``x * y`` is ``"mul"``);
-* functions, not modules: ``nn.Conv2d``'s forward is reported as ``"conv2d"``. A custom
-  ``torch.autograd.Function``'s ``apply`` is not a torch function: what it saves is
-  reported as None (or as the enclosing function, if a torch function called it);
-* under ``torch.compile`` Dynamo traces the handler as user code: a call is pushed and
-  popped around the function, so nothing of it reaches the graph and ``fullgraph=True``
-  still holds. (The handler has no branch on ``torch.compiler.is_compiling()``: with one,
-  torch 2.14 handed ``nn.GRU``'s eager fallback an ``int`` for ``input.dtype``.) What a
-  compiled graph saves is saved inside it, reported as None here; the capture decides
-  those tensors from the compiled backward graph instead
-  (:mod:`lightning_act.capture.compiled`). The capture takes the tracker off the mode
-  stack while a compiled module runs (:meth:`OpTracker.watch`): torch 2.14 runs a compiled
-  graph with the modes it inlined still active, so every call of the graph's Python wrapper
-  would pass through the handler again, for nothing. Dynamo guards on the active modes, so
-  a compiled module then sees the same stack inside and outside sessions.
-
-Cost: one extra Python call per torch function, attribute accesses such as ``x.shape``
-included: 2.7 us per call on the CPU measured, and a ResNet-18 forward makes 109 calls, so
-0.3 ms per step: under 0.01% of a 3.6 s CPU step (``benchmarks/optrack_overhead.py``); on
-a GPU, where the same step takes milliseconds, it would be a few percent (not measured).
+Cost: one Python call per torch function, ``x.shape`` included (``benchmarks/optrack_overhead.py``).
 """
 
 from __future__ import annotations
@@ -67,10 +46,9 @@ LOOK_UP = object()
 class TrackedCall:
     """One torch function call in progress.
 
-    ``saves`` counts the tensors the call saved for backward so far; the capture engine
-    counts them, so that the analysis of the call's backward
-    (:func:`~lightning_act.backward_reads.call_reads`), which lists the saves in the order the
-    call makes them, can tell which one is being saved.
+    ``saves`` counts the tensors the call saved so far (the capture engine counts them), so that
+    :func:`~lightning_act.backward_reads.call_reads`, which lists saves in order, can tell which one
+    is being saved.
     """
 
     __slots__ = ("name", "func", "args", "kwargs", "saves", "autocast", "reads", "key", "saved", "waiting")
@@ -81,21 +59,17 @@ class TrackedCall:
         self.args = args
         self.kwargs = kwargs
         self.saves = saves
-        #: The autocast in force when the call began (:func:`autocast_state`): inside the
-        #: call, where its pack hooks run, autocast reads as off.
+        #: The autocast in force when the call began (:func:`autocast_state`); inside it, it reads off.
         self.autocast = autocast
-        #: What the analysis found for the call's saves, looked up at its first save (one
-        #: signature per call, not per save); ``LOOK_UP`` until then.
+        #: The analysis of the call's saves, looked up once at its first save; ``LOOK_UP`` until then.
         self.reads: Any = LOOK_UP
         #: What the decisions about the call's saves depend on besides each tensor
-        #: (:func:`~lightning_act.capture.decide.call_key`); ``LOOK_UP`` until its first save.
+        #: (:func:`~lightning_act.capture.call_sites.call_key`); ``LOOK_UP`` until its first save.
         self.key: Any = LOOK_UP
-        #: What autograd holds for each of the call's saves so far, in order, where a later
-        #: save is stored from earlier ones (a comparison's outcome against them).
+        #: What autograd holds for each save so far, in order, for later saves stored from earlier ones.
         self.saved: list = []
-        #: Saves waiting for later saves of the call, or None: each a function of ``final``
-        #: that stores its save if it can (or, ``final``, when the call returns, as it is)
-        #: and says whether it did; the capture calls them after each save.
+        #: Saves waiting for later saves of the call, or None: each a function of ``final`` that
+        #: stores its save if it can (``final``: as it is, at return) and says whether it did.
         self.waiting: list | None = None
 
 
@@ -103,8 +77,7 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def autocast_state() -> tuple:
-    """``(device, dtype, cache_enabled)`` of each device's autocast in force: what a call casts
-    its arguments to, and so what it saves."""
+    """``(device, dtype, cache_enabled)`` of each device's autocast in force: what a call casts to."""
     if not torch._C._is_any_autocast_enabled():  # the common case, asked once: every tracked call asks
         return ()
     return tuple(
@@ -120,9 +93,8 @@ PLAIN_TYPES = frozenset(_PLAIN_VALUES)
 
 
 def arguments_key(value: Any, tensor_key: Callable[[torch.Tensor], Any], other_key: Callable[[Any], Any]) -> Any:
-    """A call's arguments as a hashable key: each tensor by ``tensor_key``, numbers, strings,
-    dtypes and devices as they are, lists, tuples and dicts element by element, anything
-    else by ``other_key`` (which may raise)."""
+    """A call's arguments as a hashable key: tensors by ``tensor_key``, plain values as they are,
+    containers element by element, anything else by ``other_key`` (which may raise)."""
     if isinstance(value, torch.Tensor):
         return tensor_key(value)
     kind = type(value)
@@ -157,10 +129,8 @@ warnings.filterwarnings("ignore", message=r"Dynamo does not know how to trace th
 
 @torch.compiler.assume_constant_result
 def _pack_hooks_run() -> bool:
-    """Whether a pack hook can see what is saved now. A compiled region turns saved-tensor
-    hooks off while its graph runs (their work is inlined into it), and the graph calls
-    torch functions of its own: tracking them would cost time for nothing. (Dynamo reads
-    it once, as a constant, while it traces.)"""
+    """Whether a pack hook can see what is saved now: a compiled graph turns saved-tensor hooks off
+    while it runs, so tracking its calls would be wasted. (Dynamo reads it once, as a constant.)"""
     return torch._C._autograd._saved_tensors_hooks_is_enabled()
 
 
@@ -178,14 +148,15 @@ class OpTracker(TorchFunctionMode):
         with tracker, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             loss = model(x).sum()
 
-    Enter it in the thread that runs the forward (torch function modes are per thread), and
-    enter it once at a time.
+    Enter it once at a time, in the thread that runs the forward (modes are per thread).
     """
 
     def __init__(self):
         super().__init__()
         self._calls: list[TrackedCall] = []
-        self._watching = False
+        #: Whether the tracker is on the torch function mode stack (sees calls). An attribute,
+        #: not a property: Dynamo reads it where it inlines the pack hook.
+        self.watching = False
 
     def __enter__(self) -> OpTracker:
         self.watch(True)
@@ -194,23 +165,15 @@ class OpTracker(TorchFunctionMode):
     def __exit__(self, *exc) -> None:
         self.watch(False)
 
-    @property
-    def watching(self) -> bool:
-        """Whether the tracker is on the torch function mode stack (sees calls)."""
-        return self._watching
-
     def watch(self, on: bool) -> None:
-        """Put the tracker on the torch function mode stack, or take it off wherever it is
-        in the stack (modes entered above it stay, in their order).
-
-        Off where nothing it could see is saved through a pack hook: in compiled code,
-        where every call of the compiled graph's Python wrapper would still pass through
-        the handler (a compiled 50-layer MLP's forward took 1.5 ms more with it on, 30 us
-        per packed tensor; torch 2.14 runs a compiled graph with the modes it inlined
-        still active), and while the capture is paused for backward."""
-        if on == self._watching:
+        """Put the tracker on the torch function mode stack, or take it off wherever it is (modes
+        above it stay, in order). Off where no pack hook could use it: while the capture is paused
+        for backward, and in compiled code, which runs with the modes it inlined still active, so
+        each call of the graph's Python wrapper would pass through the handler for nothing. Dynamo
+        guards on the active modes: a compiled module sees the same stack in and out of sessions."""
+        if on == self.watching:
             return
-        self._watching = on
+        self.watching = on
         if on:
             _push_mode(self)
             return
@@ -302,17 +265,13 @@ def is_same_tensor(candidate: Any, t: torch.Tensor) -> bool:
 
 
 def saved_index_range(call: TrackedCall | None, t: torch.Tensor | None = None) -> tuple[int, int] | None:
-    """``(low, high)`` bounding the integer tensor ``t`` that a call saves, when the call alone
-    tells: from shapes, with no look at the data and so no device synchronisation.
-    :class:`~lightning_act.codecs.exact.IndexCodec` takes it as ``value_range``.
+    """``(low, high)`` bounding the integer tensor ``t`` a call saves, from shapes alone (no device
+    synchronisation), for :class:`~lightning_act.codecs.exact.IndexCodec`'s ``value_range``:
 
-    * Max-pool indices address the flattened spatial plane of the input: ``[0, H * W)`` for
-      a 2-D pool.
-    * An index argument of an indexing function (``embedding``, ``index_select``,
-      ``gather``, ``scatter*``, ``index_add``, ``x[index]``) lies within the indexed
-      dimension of its source, since the forward checked every index against it.
-    * The target of ``cross_entropy`` or ``nll_loss`` is a class of the input or the
-      ``ignore_index``.
+    * max-pool indices address the input's flattened spatial plane (``[0, H * W)`` in 2-D);
+    * an indexing function's index (``embedding``, ``index_select``, ``gather``, ``scatter*``,
+      ``index_add``, ``x[index]``) lies within its source's indexed dimension, as the forward checked;
+    * a ``cross_entropy`` or ``nll_loss`` target is a class of the input or the ``ignore_index``.
 
     None for other calls, and where ``t`` is not the call's index argument.
     """

@@ -23,19 +23,17 @@ from lightning_act.policy.memory_target import (
 
 
 class MemoryTarget:
-    """Keep every training step's peak at or under a target by choosing each saved tensor's
-    bits, closed loop on the measured peak (see :mod:`lightning_act.policy.memory_target`).
+    """Keep every training step's peak at or under a target by choosing each saved tensor's bits,
+    closed loop on the measured peak (see :mod:`lightning_act.policy.memory_target`).
 
-    The ``with target.step(...)`` block must hold the whole step, forward, backward and the
-    optimizer's step: its peak is what the target bounds. Without :meth:`calibrate`, each
-    value counts alike when the plan chooses where bits go; with it, each tensor's measured
-    sensitivity does.
+    The ``with target.step(...)`` block must hold the whole step: forward, backward, optimizer step.
+    After :meth:`calibrate`, measured sensitivity rather than element count decides where bits go.
 
     Args:
-        model: the model trained (its parameters are never compressed, and name the modules).
+        model: the model trained (its parameters are never compressed; its module names key the rules).
         target: bytes, a size (``"20GiB"``) or a fraction in (0, 1] of the device's memory.
-        optimizers: the optimizers of the loop: their state is named when the target cannot
-            be met, and :meth:`calibrate` weighs the gradient's error by their update.
+        optimizers: the loop's optimizers: named in an unreachable target's error, and
+            :meth:`calibrate` weighs gradient error by their update.
         rules: per-module and per-op overrides, as ``ActCompression``'s.
         config: a :class:`~lightning_act.CompressionConfig`; or its fields as keywords.
 
@@ -114,8 +112,8 @@ class MemoryTarget:
         self.meter.close()
 
     def calibrate(self, loss_fn: Callable[[], torch.Tensor], inputs: Any = None) -> None:
-        """Measure each saved tensor's sensitivity on a small batch (``loss_fn`` runs its
-        forward and returns the loss; ``inputs`` are its tensors), and re-plan with it."""
+        """Measure each saved tensor's sensitivity on a small batch and re-plan with it (``loss_fn``
+        runs the forward and returns the loss; ``inputs`` are its tensors)."""
         self.sensitivity = self.capture.measure_sensitivity(loss_fn, inputs, self.optimizers)
         self.policy.update(self.sensitivity, self.capture.slots)
 

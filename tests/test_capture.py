@@ -635,10 +635,10 @@ def test_softmax_outputs_are_stored_at_eight_bits_or_more(op):
 
 def test_every_encoded_tensor_is_held_for_the_stream_that_reads_it(monkeypatch):
     """The encode path marks each tensor it drops for the current stream (a no-op on the CPU)."""
-    from lightning_act.capture import engine
+    from lightning_act.capture import store
 
     held = []
-    monkeypatch.setattr(engine, "_hold_until_read", held.append)
+    monkeypatch.setattr(store, "_hold_until_read", held.append)
     torch.manual_seed(0)
     model = MLP()
     x = torch.randn(8, 64)

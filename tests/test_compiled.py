@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from lightning_act import ActCompression, ActivationCapture, CompressionConfig, compress_activations
 from lightning_act.backward_reads import Use, graph_reads
 from lightning_act.capture import OUTSIDE_MODULES
-from lightning_act.capture.compiled import COMPILED_REGION, Plan
+from lightning_act.capture.decide import Form
+from lightning_act.capture.graph_ops import COMPILED_REGION, Plan, encode_plan
 from lightning_act.policy import EXACT, BitPolicy, FixedBits
 from torch import nn
 from torch._dynamo.utils import counters
@@ -474,13 +475,13 @@ def test_the_graph_analysis_reads_backward_kernels_decomposed():
 def test_pack_and_unpack_ops_round_trip_masks_exactly_and_floats_within_a_step():
     torch.manual_seed(0)
     mask = torch.randn(33, 70) > 0.3
-    plan = repr(tuple(Plan("mask", 1, 0, "m", "", None, 1)))
+    plan = encode_plan(Plan(Form.MASK, 1, 0, "m", "", None, 1))
     parts = torch.ops.lightning_act.pack_saved(mask, plan)
     assert parts[0].numel() == -(-mask.numel() // 8)
     back = torch.ops.lightning_act.unpack_saved(parts, list(mask.shape), list(mask.stride()), mask.dtype, plan)
     assert torch.equal(back, mask)
     x = torch.randn(40, 64, 8).transpose(0, 1)  # dense in memory, not contiguous
-    plan = repr(tuple(Plan("quant", 8, 256, "m", "m#0", None, 1)))
+    plan = encode_plan(Plan(Form.QUANTIZE, 8, 256, "m", "m#0", None, 1))
     parts = torch.ops.lightning_act.pack_saved(x, plan)
     back = torch.ops.lightning_act.unpack_saved(parts, list(x.shape), list(x.stride()), x.dtype, plan)
     assert back.stride() == x.stride()
@@ -532,7 +533,7 @@ def test_the_op_tracker_is_off_while_a_compiled_module_runs_and_on_in_its_eager_
 def test_the_batch_a_compiled_graph_saves_is_handed_back_as_it_is():
     """The graph cannot tell its batch from an activation passed on at a graph break; the
     session can: the batch stays alive for the step, so it is neither stored nor rounded."""
-    from lightning_act.capture import compiled
+    from lightning_act.capture import graph_ops
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
@@ -555,12 +556,12 @@ def test_the_batch_a_compiled_graph_saves_is_handed_back_as_it_is():
             loss = run(x).square().mean()
         assert capture.report.counts["external"] == 1
         if step != 1:
-            assert len(compiled._KEPT_INPUTS) == (step == 0)
+            assert len(graph_ops._KEPT_INPUTS) == (step == 0)
         loss.backward()
         # The first layer's gradient reads the batch and the ReLU's mask: both exact.
         torch.testing.assert_close(model[0].weight.grad, exact)
         del loss
-        assert len(compiled._KEPT_INPUTS) == 0  # gone with the graph's saved parts
+        assert len(graph_ops._KEPT_INPUTS) == 0  # gone with the graph's saved parts
     with capture.capturing(inputs=x):
         assert holders() == alone  # and not held by the C++ side into the next step
 
@@ -683,7 +684,7 @@ def test_a_memory_target_plans_a_model_compiled_whole_or_a_single_compiled_modul
 
 
 def test_an_index_a_compiled_graph_saves_is_stored_in_fewer_bits_exactly():
-    from lightning_act.capture.compiled import index_bound
+    from lightning_act.capture.graph_nodes import index_bound
 
     torch.manual_seed(0)
     nodes = 300
@@ -727,7 +728,7 @@ def test_the_graph_ops_c_side_stores_indices_as_python_does(nodes):
     same codes (the same gradient, bit for bit, on one thread: inductor's scatter-add sums
     in another order on two) in every width, and no Python call left."""
     from lightning_act import ops
-    from lightning_act.capture.compiled import NativeSaves
+    from lightning_act.capture.graph_ops import NativeSaves
 
     ops.ensure_kernels("cpu")
     if not ops.loaded_kernels()["cpu"]:
@@ -1047,7 +1048,7 @@ def test_graph_and_eager_saves_of_one_step_draw_different_noise():
     the eager path's k-th save of one step were rounded with the same noise: a GCN split by
     graph breaks was biased (16-step mean 3.36x closer than one step instead of 4)."""
     from lightning_act.capture import splitmix64
-    from lightning_act.capture.compiled import SeedStream
+    from lightning_act.capture.graph_ops import SeedStream
 
     session = 123456789
     eager = {splitmix64(session + k) >> 1 for k in range(1, 1001)}
@@ -1076,7 +1077,7 @@ def test_the_graph_ops_c_side_packs_as_python_does_with_no_python_after_the_firs
     bit for bit), the batch handed back as it is, and the same report as Python serving every
     call, from the same seed stream."""
     from lightning_act import ops
-    from lightning_act.capture.compiled import NativeSaves
+    from lightning_act.capture.graph_ops import NativeSaves
 
     ops.ensure_kernels("cpu")
     if not ops.loaded_kernels()["cpu"]:
@@ -1661,7 +1662,7 @@ def test_a_decomposed_safe_softmax_reads_its_rows_from_its_divisor():
     ``where(row all masked, zeros, exp / sum)``, every node marked as the softmax. Its rows are
     the ones the divisor reduced: read off the zeros' size (or as one value), a compiled HF
     GPT-2 kept its attention probabilities exact and stored 1.34x eager's bytes."""
-    from lightning_act.capture.compiled import softmax_row
+    from lightning_act.capture.graph_nodes import softmax_row
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 

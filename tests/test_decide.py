@@ -1,4 +1,4 @@
-"""The storage rules of :func:`lightning_act.capture.decide.decide`, on small tensors: calls
+"""The storage rules of :func:`lightning_act.capture.call_sites.decide`, on small tensors: calls
 built by hand, and the saves of real calls decided as the capture decides them."""
 
 import os
@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning_act import ActivationCapture, CompressionConfig, compress_activations
-from lightning_act.capture.decide import Decision, Kind, decide, read_of, source_parameter
+from lightning_act.capture.call_sites import decide, read_of, source_parameter
+from lightning_act.capture.decide import Decision, Form
 from lightning_act.capture.records import Layout
 from lightning_act.codecs import GroupQuantCodec
 from lightning_act.optrack import OpTracker, TrackedCall
@@ -52,8 +53,8 @@ def decided(t, c=None, external=False, min_numel=1):
 
 def test_parameters_and_their_views_pass_through():
     p = nn.Parameter(torch.randn(6, 4))
-    assert decided(p, call("linear", torch.randn(3, 4), p)).kind is Kind.PARAMETER
-    assert decided(p.t()).kind is Kind.PARAMETER
+    assert decided(p, call("linear", torch.randn(3, 4), p)).form is Form.PARAMETER
+    assert decided(p.t()).form is Form.PARAMETER
     assert source_parameter(p.t()) == (p, False)
 
 
@@ -61,41 +62,41 @@ def test_autocast_copy_of_a_parameter_is_recast_and_other_casts_are_kept():
     p = nn.Parameter(torch.randn(6, 4))
     copy = p.to(torch.bfloat16)
     decision = decided(copy)
-    assert decision.kind is Kind.RECAST_WEIGHT and decision.parameter is p
+    assert decision.form is Form.RECAST_WEIGHT and decision.parameter is p
     twice = copy.to(torch.float16)  # two casts: casting the parameter once does not re-create it
-    assert decided(twice).kind is Kind.CAST_PARAMETER
+    assert decided(twice).form is Form.CAST_PARAMETER
     # A parameter is never compressed, not even when it is also marked alive for the step.
-    assert decided(p, external=True).kind is Kind.PARAMETER
+    assert decided(p, external=True).form is Form.PARAMETER
 
 
 def test_tensors_alive_anyway_pass_through():
     x = torch.randn(8, 16)
-    assert decided(x, call("linear", x), external=True) == Decision(Kind.EXTERNAL)
-    assert decided(x > 0, external=True).kind is Kind.EXTERNAL
+    assert decided(x, call("linear", x), external=True) == Decision(Form.EXTERNAL)
+    assert decided(x > 0, external=True).form is Form.EXTERNAL
 
 
 def test_masks_and_indices_are_lossless_with_the_bound_their_op_implies():
     x = torch.randn(2, 3, 4, 6)
     mask = decided(x > 0, call("where", x > 0, x, 0.0))
-    assert mask.kind is Kind.MASK and mask.layout.numel == x.numel()
+    assert mask.form is Form.MASK and mask.layout.numel == x.numel()
     indices = torch.randint(0, 24, (2, 3, 2, 3))
     pooled = decided(indices, call("max_pool2d", x, 2))
-    assert pooled.kind is Kind.INDEX and pooled.value_range == (0, 23)
+    assert pooled.form is Form.INDEX and pooled.value_range == (0, 23)
     gathered = torch.randint(0, 3, (2, 3, 4, 6))
     bounded = decided(gathered, call("gather", x, 1, gathered))
-    assert bounded.kind is Kind.INDEX and bounded.value_range == (0, 2)
+    assert bounded.form is Form.INDEX and bounded.value_range == (0, 2)
     # The same tensor saved by an op that bounds another argument: its range is measured.
     unbounded = decided(gathered, call("gather", x, 1, gathered.clone()))
-    assert unbounded.kind is Kind.INDEX and unbounded.value_range is None
+    assert unbounded.form is Form.INDEX and unbounded.value_range is None
 
 
 def test_unbounded_indices_off_the_cpu_are_kept_rather_than_measured_with_a_host_sync():
     # A meta tensor stands in for a GPU one: no data, a device other than the CPU.
     indices = torch.empty(2, 3, 4, 6, dtype=torch.long, device="meta")
-    assert decided(indices, call("mul", indices, 2)).kind is Kind.KEEP
+    assert decided(indices, call("mul", indices, 2)).form is Form.KEEP
     source = torch.empty(4096, 8, device="meta")
     bounded = decided(indices, call("embedding", indices, source))
-    assert bounded.kind is Kind.INDEX and bounded.value_range == (0, 4095)
+    assert bounded.form is Form.INDEX and bounded.value_range == (0, 4095)
 
 
 def test_attention_query_and_key_get_the_nonlinear_floor_from_the_traced_backward():
@@ -103,9 +104,9 @@ def test_attention_query_and_key_get_the_nonlinear_floor_from_the_traced_backwar
     reads the value linearly; the output and the logsumexp are computed again from those."""
     q, k, v = (grad_input(2, 4, 16, 12) for _ in range(3))
     decisions = saves_of(F.scaled_dot_product_attention, q, k, v)
-    floors = sorted(d.min_bits for d in decisions if d.kind is Kind.QUANTIZE)
+    floors = sorted(d.min_bits for d in decisions if d.form is Form.QUANTIZE)
     assert floors == [1, 8, 8]
-    assert [d.kind for d in decisions].count(Kind.RECOMPUTE) == 2
+    assert [d.form for d in decisions].count(Form.RECOMPUTE) == 2
 
 
 def row_groups(t, c):
@@ -171,7 +172,7 @@ def test_normalisation_inputs_get_four_bits_eight_over_short_rows_and_batch_norm
     assert decided(small_maps, call("batch_norm", small_maps, None, None, training=True)).min_bits == 8
     # What else a normalisation saves is not its input: its statistics, kept exact.
     saved = saves_of(F.layer_norm, grad_input(8, 65, 192), (192,))
-    assert [d.kind for d in saved] == [Kind.QUANTIZE, Kind.STATISTIC, Kind.STATISTIC]
+    assert [d.form for d in saved] == [Form.QUANTIZE, Form.STATISTIC, Form.STATISTIC]
 
 
 def test_a_normalisation_written_out_is_found_by_its_factor_s_history():
@@ -240,7 +241,7 @@ def test_every_codec_still_stores_batch_norm_inputs_of_small_maps(codec):
 def test_ops_reading_only_a_sign_get_a_sign_mask():
     x = torch.randn(4, 8)
     leaky = decided(x, call("leaky_relu", x, 0.1))  # backward compares x with 0 alone
-    assert leaky.kind is Kind.SIGN_MASK and leaky.divisor is None
+    assert leaky.form is Form.SIGN_MASK and leaky.divisor is None
     noise = torch.randn(4, 8)
     assert decided(noise, call("dropout", x, 0.25)).divisor == pytest.approx(0.75)
     assert decided(noise, call("dropout", x, p=0.1)).divisor == pytest.approx(0.9)
@@ -254,10 +255,10 @@ def test_ops_reading_only_whether_inside_an_interval_get_an_interval_mask():
     assert decided(x, call("hardtanh_", x, min_val=0.0, max_val=6.0)).interval == (0.0, 6.0)
     assert decided(x, call("relu6", x)).interval == (0.0, 6.0)
     assert decided(x, call("hardsigmoid", x)).interval == (-3.0, 3.0)
-    assert decided(x, call("hardsigmoid", x)).kind is Kind.SIGN_MASK
+    assert decided(x, call("hardsigmoid", x)).form is Form.SIGN_MASK
     # Compared with constants where no 1-bit mask keeps the comparisons (an empty interval,
     # clamp's inclusive ends): the cells between the constants, never rounded across them.
-    assert decided(x, call("hardtanh", x, 1.0, 1.0)).kind is Kind.CELLS
+    assert decided(x, call("hardtanh", x, 1.0, 1.0)).form is Form.CELLS
     assert decided(x, call("clamp", x, -0.5, 0.5)).cells.thresholds == (-0.5, 0.5)
 
 
@@ -269,7 +270,7 @@ def test_pointwise_activations_store_their_derivative_and_hand_back_an_input_wit
     torch.manual_seed(0)
     x = torch.randn(4096) * 6
     decision = decided(x, call(activation.__name__, x))
-    assert decision.kind is Kind.QUANTIZE and decision.min_bits == 1
+    assert decision.form is Form.QUANTIZE and decision.min_bits == 1
     derivative, restorer = decision.substitute.store(x)
     grad = torch.randn_like(x)
     leaf = x.clone().requires_grad_()
@@ -331,7 +332,7 @@ def test_the_graph_ops_c_side_restores_a_derivative_as_python_does_in_under_twic
     tensor's bytes at once), and at 8 bits of the values themselves: a group then has as many
     levels as values, and a table of them beside the values doubled the decode's memory."""
     from lightning_act import ops
-    from lightning_act.capture.compiled import Plan, _encode_plan
+    from lightning_act.capture.graph_ops import Plan, encode_plan
 
     ops.ensure_kernels("cpu")
     if not (ops.loaded_kernels()["cpu"] and torch.ops.lightning_act.live_memory_install()):
@@ -340,7 +341,7 @@ def test_the_graph_ops_c_side_restores_a_derivative_as_python_does_in_under_twic
     x = torch.randn(300_000) * 3
     substitute = decided(x, call("gelu", x)).substitute
     derivative, _ = substitute.store(x)
-    plan = _encode_plan(Plan("derivative", bits, 256, "m", "m#0", "gelu", bits, derivative=substitute.source))
+    plan = encode_plan(Plan(Form.QUANTIZE, bits, 256, "m", "m#0", "gelu", bits, derivative=substitute.source))
     parts = torch.ops.lightning_act.pack_saved_python(derivative.to(dtype), plan)
     expected = torch.ops.lightning_act.unpack_saved_python(parts, [x.numel()], [1], dtype, plan)
     inverse = substitute.inverse_grid(x.device)
@@ -401,51 +402,51 @@ def test_derivatives_of_one_function_share_their_tables():
 def test_integers_saved_outside_any_call_are_measured_on_the_cpu():
     """A custom autograd function's index: no op bounds it, so the CPU measures its range (a
     byte buffer, whose bytes span their whole range, is kept)."""
-    assert decided(torch.randint(-3, 40, (64,))).kind is Kind.INDEX
-    assert decided(torch.randint(0, 255, (64,), dtype=torch.uint8)).kind is Kind.KEEP
+    assert decided(torch.randint(-3, 40, (64,))).form is Form.INDEX
+    assert decided(torch.randint(0, 255, (64,), dtype=torch.uint8)).form is Form.KEEP
 
 
 def test_what_no_codec_can_store_smaller_is_kept():
     x = torch.randn(4, 8)
-    assert decided(x, min_numel=33).kind is Kind.KEEP  # too small
-    assert decided(x, min_numel=32).kind is Kind.QUANTIZE
-    assert decided(torch.randn(0, 8), min_numel=0).kind is Kind.KEEP  # empty: nothing to store
-    assert decided(torch.randn(16).unfold(0, 4, 1)).kind is Kind.KEEP  # overlapping windows
-    assert decided(torch.randn(4, 8, dtype=torch.complex64)).kind is Kind.KEEP  # no codec
-    assert decided(torch.randn(4, 8, dtype=torch.float64)).kind is Kind.KEEP
-    assert decided(torch.randn(4, 8).to_sparse_csr()).kind is Kind.KEEP  # not strided
-    assert decided(torch.randn(4, 8).to_sparse()).kind is Kind.KEEP
-    assert decided(torch.randn(4, 8) > 0, min_numel=64).kind is Kind.KEEP
+    assert decided(x, min_numel=33).form is Form.KEEP  # too small
+    assert decided(x, min_numel=32).form is Form.QUANTIZE
+    assert decided(torch.randn(0, 8), min_numel=0).form is Form.KEEP  # empty: nothing to store
+    assert decided(torch.randn(16).unfold(0, 4, 1)).form is Form.KEEP  # overlapping windows
+    assert decided(torch.randn(4, 8, dtype=torch.complex64)).form is Form.KEEP  # no codec
+    assert decided(torch.randn(4, 8, dtype=torch.float64)).form is Form.KEEP
+    assert decided(torch.randn(4, 8).to_sparse_csr()).form is Form.KEEP  # not strided
+    assert decided(torch.randn(4, 8).to_sparse()).form is Form.KEEP
+    assert decided(torch.randn(4, 8) > 0, min_numel=64).form is Form.KEEP
 
 
 def test_reduction_statistics_are_kept_exact():
     x = torch.randn(64, 32)
     mean = x.mean(1, keepdim=True)  # computed by the op, 32 times smaller than its input
-    assert decided(mean, call("layer_norm", x, (32,))).kind is Kind.STATISTIC
+    assert decided(mean, call("layer_norm", x, (32,))).form is Form.STATISTIC
     # The op's own (small) input is an activation, not a statistic.
     small = torch.randn(64, 8)
-    assert decided(small, call("layer_norm", small, (8,))).kind is Kind.QUANTIZE
+    assert decided(small, call("layer_norm", small, (8,))).form is Form.QUANTIZE
     # Rows shorter than the smallest group cannot have groups of their own: kept exact.
     tiny = torch.randn(64, 2)
-    assert decided(tiny, call("layer_norm", tiny, (2,))).kind is Kind.KEEP
+    assert decided(tiny, call("layer_norm", tiny, (2,))).form is Form.KEEP
     # Next to a large weight only, a small tensor is an activation too.
     weight = nn.Parameter(torch.randn(256, 2))
     out = torch.randn(64, 2)
-    assert decided(out, call("linear", torch.randn(64, 256)[:, :2], weight)).kind is Kind.QUANTIZE
+    assert decided(out, call("linear", torch.randn(64, 256)[:, :2], weight)).form is Form.QUANTIZE
     # Without the call nothing tells it is a statistic.
-    assert decided(mean).kind is Kind.QUANTIZE
+    assert decided(mean).form is Form.QUANTIZE
     # GroupNorm's mean and rstd, saved by the op itself, are statistics too.
     saved = saves_of(F.group_norm, grad_input(8, 4, 6, 6), 2)
-    assert [d.kind for d in saved] == [Kind.QUANTIZE, Kind.STATISTIC, Kind.STATISTIC]
+    assert [d.form for d in saved] == [Form.QUANTIZE, Form.STATISTIC, Form.STATISTIC]
 
 
 def test_a_step_that_repeats_its_calls_repeats_no_decision_work(monkeypatch):
-    import lightning_act.capture.decide as decide_module
+    from lightning_act.capture import call_sites
 
     decided_afresh = []
-    original = decide_module._decide_from_call
+    original = call_sites._decide_from_call
     monkeypatch.setattr(
-        decide_module,
+        call_sites,
         "_decide_from_call",
         lambda t, c, *rest: decided_afresh.append(c and c.name) or original(t, c, *rest),
     )
@@ -490,8 +491,8 @@ def test_decisions_found_again_tell_apart_what_the_signature_does_not_show():
     weight = nn.Parameter(torch.randn(4, 64))
     leaf = torch.randn(4, 64, requires_grad=True)
     data = grad_input(4, 64) * 1.0
-    assert Kind.PARAMETER in [d.kind for d in one_save(data, weight)]
-    assert Kind.PARAMETER not in [d.kind for d in one_save(data, leaf)]
+    assert Form.PARAMETER in [d.form for d in one_save(data, weight)]
+    assert Form.PARAMETER not in [d.form for d in one_save(data, leaf)]
 
 
 @pytest.mark.parametrize("norm", ["layer_norm", "rms_norm", "group_norm", "batch_norm"])
@@ -579,19 +580,19 @@ def test_recurrent_calls_are_read_as_the_trace_of_a_short_sequence_reads_them(ce
     reads, saves = traced
     floats = [r.use for r, (dtype, _) in zip(reads, saves) if dtype.is_floating_point]
     assert floats and max(floats) <= Use.QUADRATIC
-    decided_floors = {d.min_bits for d in saves_of(rnn, grad_input(12, 4, 16)) if d.kind is Kind.QUANTIZE}
+    decided_floors = {d.min_bits for d in saves_of(rnn, grad_input(12, 4, 16)) if d.form is Form.QUANTIZE}
     assert decided_floors == {4}
 
 
 def test_one_byte_buffers_without_a_bound_are_kept_as_they_are():
     """An opaque workspace (oneDNN's, cuDNN's) spans all 256 byte values: nothing to save."""
     workspace = torch.randint(0, 256, (4096,), dtype=torch.uint8)
-    assert decided(workspace, call("lstm", torch.randn(16, 64, 32))).kind is Kind.KEEP
-    assert decided(workspace.to(torch.int8), call("gru", torch.randn(16, 64, 32))).kind is Kind.KEEP
+    assert decided(workspace, call("lstm", torch.randn(16, 64, 32))).form is Form.KEEP
+    assert decided(workspace.to(torch.int8), call("gru", torch.randn(16, 64, 32))).form is Form.KEEP
     # Wider integers are measured; a bound from the op makes a one-byte tensor storable too.
-    assert decided(workspace.long(), call("mul", workspace.long(), 2)).kind is Kind.INDEX
+    assert decided(workspace.long(), call("mul", workspace.long(), 2)).form is Form.INDEX
     pooled = decided(workspace[:36].view(1, 1, 6, 6), call("max_pool2d", torch.randn(1, 1, 12, 12), 2))
-    assert pooled.kind is Kind.INDEX and pooled.value_range == (0, 143)
+    assert pooled.form is Form.INDEX and pooled.value_range == (0, 143)
 
 
 @pytest.mark.parametrize(
@@ -618,7 +619,7 @@ def test_one_byte_buffers_without_a_bound_are_kept_as_they_are():
 def test_saves_backward_divides_by_or_takes_roots_of_are_kept_exact(func, kinds):
     a, b = grad_input(64, 64), torch.rand(64, 64, requires_grad=True) + 0.5
     decisions = saves_of(func, a, b)
-    assert [d.kind.value if d.kind in (Kind.KEEP, Kind.STATISTIC) else d.min_bits for d in decisions] == kinds
+    assert [d.form.value if d.form in (Form.KEEP, Form.STATISTIC) else d.min_bits for d in decisions] == kinds
 
 
 def test_an_input_read_through_its_exponent_less_a_statistic_is_rounded_as_a_softmaxs_output():
@@ -626,7 +627,7 @@ def test_an_input_read_through_its_exponent_less_a_statistic_is_rounded_as_a_sof
     exact, so only ``x`` is rounded, once, as a softmax's output is: the nonlinear floor."""
     x = torch.randn(64, 64, requires_grad=True)
     decisions = saves_of(lambda a, b: torch.logsumexp(b, 1), grad_input(64, 64), x)
-    assert [d.kind.value if d.kind is Kind.STATISTIC else d.min_bits for d in decisions] == [8, "statistic"]
+    assert [d.form.value if d.form is Form.STATISTIC else d.min_bits for d in decisions] == [8, "statistic"]
 
 
 def test_minus_infinity_read_through_an_exponential_is_put_back():
@@ -713,8 +714,8 @@ def test_a_batchnorm_input_shared_with_a_relus_output_gets_groups_within_its_cha
 def test_tensors_backward_compares_with_another_value_are_kept_exact_or_as_the_outcome(func, why):
     x = grad_input(64, 64)
     decisions = saves_of(func, x)
-    float_saves = [d for d in decisions if d.kind not in (Kind.INDEX, Kind.MASK)]
-    assert float_saves and any(d.kind in (Kind.KEEP, Kind.MATCH) for d in float_saves), why
+    float_saves = [d for d in decisions if d.form not in (Form.INDEX, Form.MASK)]
+    assert float_saves and any(d.form in (Form.KEEP, Form.MATCH) for d in float_saves), why
 
 
 def test_floats_an_op_outside_aten_reads_are_kept_exact():
@@ -723,14 +724,14 @@ def test_floats_an_op_outside_aten_reads_are_kept_exact():
     images = grad_input(2, 3, 16, 16)
     boxes = torch.tensor([[0, 0, 0, 8, 8.0], [1, 2, 2, 12, 12]])
     decisions = saves_of(torchvision.ops.roi_align, images, boxes, (2, 2))
-    assert decisions and all(d.kind is Kind.KEEP for d in decisions)
+    assert decisions and all(d.form is Form.KEEP for d in decisions)
 
 
 def test_floors_follow_how_backward_reads_the_tensor():
     x = torch.randn(2, 4, 16, 8)
     q, k, v = torch.randn(3, 2, 4, 16, 8).unbind(0)
     relu = decided(x, call("relu", x))
-    assert relu.kind is Kind.QUANTIZE and relu.min_bits == 2 and relu.keeps_zeros
+    assert relu.form is Form.QUANTIZE and relu.min_bits == 2 and relu.keeps_zeros
     assert decided(x, call("softmax", x, -1)).min_bits == 8  # a hand rule over the analysis's 4
     logits, target = grad_input(32, 10), torch.randint(0, 10, (32,))
     assert saves_of(F.cross_entropy, logits, target)[0].min_bits == 8  # exp(log-probabilities)
@@ -740,7 +741,7 @@ def test_floors_follow_how_backward_reads_the_tensor():
     # backward is unknown, so it gets the floor of a nonlinear use.
     assert decided(x).min_bits == 8
     # Too small to store: kept as it is, which serves any save of it exactly.
-    assert decided(x, call("relu", x), min_numel=10**6) == Decision(Kind.KEEP)
+    assert decided(x, call("relu", x), min_numel=10**6) == Decision(Form.KEEP)
 
 
 def test_a_decision_is_a_value_that_repeats_with_its_inputs():
@@ -808,7 +809,7 @@ def test_a_call_under_autocast_is_traced_with_its_casts():
     weight = nn.Parameter(torch.randn(16, 16, 3, 3))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         decisions = saves_of(F.conv2d, x, weight)
-    assert [d.kind for d in decisions] == [Kind.QUANTIZE, Kind.RECAST_WEIGHT]
+    assert [d.form for d in decisions] == [Form.QUANTIZE, Form.RECAST_WEIGHT]
 
 
 def test_a_call_given_one_tensor_twice_is_traced_with_it_once():
@@ -818,9 +819,9 @@ def test_a_call_given_one_tensor_twice_is_traced_with_it_once():
     attention = nn.MultiheadAttention(64, 4)
     x = grad_input(16, 8, 64)
     decisions = saves_of(attention, x, x, x, need_weights=False)
-    kinds = [d.kind for d in decisions]
-    assert Kind.KEEP not in kinds, kinds
-    assert kinds.count(Kind.QUANTIZE) >= 4  # the projection's input, q, k, v, the output
+    kinds = [d.form for d in decisions]
+    assert Form.KEEP not in kinds, kinds
+    assert kinds.count(Form.QUANTIZE) >= 4  # the projection's input, q, k, v, the output
 
 
 def test_a_complex_parameters_view_is_a_parameter_not_stored_memory():
@@ -852,12 +853,12 @@ def test_a_parameters_view_in_another_dtype_is_the_parameter_and_a_cast_copy_is_
     weight shares the weight's storage and costs nothing; a cast is a copy of its own."""
     weight = torch.nn.Parameter(torch.randn(32, 32, 16, 2))
     spectrum = torch.randn(8, 32, 16, dtype=torch.cfloat, requires_grad=True)
-    kinds = [d.kind for d in saves_of(lambda: torch.einsum("bin,oin->bon", spectrum, torch.view_as_complex(weight)))]
-    assert Kind.PARAMETER in kinds and Kind.CAST_PARAMETER not in kinds, kinds
+    kinds = [d.form for d in saves_of(lambda: torch.einsum("bin,oin->bon", spectrum, torch.view_as_complex(weight)))]
+    assert Form.PARAMETER in kinds and Form.CAST_PARAMETER not in kinds, kinds
     x = grad_input(8, 64)
     linear = torch.nn.Parameter(torch.randn(64, 64))
-    kinds = [d.kind for d in saves_of(lambda: x.double() @ linear.double())]
-    assert Kind.CAST_PARAMETER in kinds or Kind.RECAST_WEIGHT in kinds, kinds
+    kinds = [d.form for d in saves_of(lambda: x.double() @ linear.double())]
+    assert Form.CAST_PARAMETER in kinds or Form.RECAST_WEIGHT in kinds, kinds
 
 
 def _gradient_with_and_without(forward, x: torch.Tensor):
@@ -933,8 +934,8 @@ def test_a_grouped_matmul_reads_its_operands_linearly():
     experts = grad_input(4, 8, 16).to(torch.bfloat16).transpose(-2, -1)
     offsets = torch.tensor([8, 16, 24, 32], dtype=torch.int32)
     decisions = saves_of(torch._grouped_mm, tokens, experts, offs=offsets)
-    floats = [d for d in decisions if d.kind is not Kind.INDEX]
-    assert floats and all(d.kind is Kind.QUANTIZE and d.min_bits == 1 for d in floats)
+    floats = [d for d in decisions if d.form is not Form.INDEX]
+    assert floats and all(d.form is Form.QUANTIZE and d.min_bits == 1 for d in floats)
 
 
 def test_a_deformable_convolution_is_stored_where_its_backward_is_measured_linear():
@@ -944,8 +945,8 @@ def test_a_deformable_convolution_is_stored_where_its_backward_is_measured_linea
     torchvision = pytest.importorskip("torchvision")
     x, offsets, mask = grad_input(2, 8, 10, 10), grad_input(2, 18, 8, 8), grad_input(2, 9, 8, 8)
     weight = nn.Parameter(torch.randn(16, 8, 3, 3))
-    kinds = [d.kind for d in saves_of(torchvision.ops.deform_conv2d, x, offsets, weight, mask=mask)]
-    assert kinds[:4] == [Kind.QUANTIZE, Kind.PARAMETER, Kind.KEEP, Kind.QUANTIZE]
+    kinds = [d.form for d in saves_of(torchvision.ops.deform_conv2d, x, offsets, weight, mask=mask)]
+    assert kinds[:4] == [Form.QUANTIZE, Form.PARAMETER, Form.KEEP, Form.QUANTIZE]
 
 
 _probed_library = torch.library.Library("lightning_act_test", "DEF")
@@ -993,7 +994,7 @@ def test_an_op_outside_aten_is_measured_in_a_forked_process(crash):
     measured = probe_cost()["ops"]
     x, s = grad_input(64, 64), grad_input(64, 1)
     decisions = saves_of(torch.ops.lightning_act_test.scale, x, s, crash)
-    assert [d.kind for d in decisions] == [Kind.KEEP] * 2 if crash else [Kind.QUANTIZE] * 2
+    assert [d.form for d in decisions] == [Form.KEEP] * 2 if crash else [Form.QUANTIZE] * 2
     assert probe_cost()["ops"] == measured + 1  # once per signature, counted
 
 
@@ -1020,7 +1021,7 @@ def test_a_tensor_backward_only_compares_with_constants_is_stored_as_its_cells(c
 
 
 def test_cells_between_constants_one_rounding_apart_are_not_made():
-    from lightning_act.capture.decide import ThresholdCells
+    from lightning_act.codecs.substitutes import ThresholdCells
 
     assert ThresholdCells.of((1.0, 1.0 + 1e-9), torch.float32) is None  # one float32 value
     assert ThresholdCells.of((float("inf"),), torch.float32) is None
@@ -1036,7 +1037,7 @@ def test_a_half_precision_activation_stores_its_derivative(activation, dtype):
     2-bit gradient is unbiased (it was kept exact, read as a cube through the casts)."""
     x = (grad_input(64, 64) * 3).to(dtype)
     (decision,) = saves_of(activation, x)
-    assert decision.kind is Kind.QUANTIZE and decision.substitute is not None and decision.min_bits == 1
+    assert decision.form is Form.QUANTIZE and decision.substitute is not None and decision.min_bits == 1
 
 
 def test_rms_norm_written_out_over_one_value_rows_is_exact():

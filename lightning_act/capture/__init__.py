@@ -1,14 +1,13 @@
-"""The capture engine and what it reports: every tensor autograd saves for backward is
-stored as :func:`~lightning_act.capture.decide.decide` says, attributed to its module and
-accounted.
+"""The capture engine and its report: every tensor autograd saves for backward is stored as
+:func:`~lightning_act.capture.call_sites.decide` says, attributed to its module and accounted.
 
 * :mod:`~lightning_act.capture.decide`: how one saved tensor must be stored (pure rules);
-* :mod:`~lightning_act.capture.engine`: :class:`ActivationCapture`, the hooks, sessions,
-  storage sharing between saves, accounting and probing;
-* :mod:`~lightning_act.capture.compiled`: the same inside ``torch.compile`` graphs (hooks
-  torch inlines into them, decided from the compiled backward);
-* :mod:`~lightning_act.capture.active`: the captures capturing now and the seed mixer, which
-  the engine and the graph ops both read (the graph ops import it, not the engine);
+* :mod:`~lightning_act.capture.engine`: :class:`ActivationCapture`, the hooks and sessions;
+* :mod:`~lightning_act.capture.store`: codecs, one copy shared between saves, accounting;
+* :mod:`~lightning_act.capture.compiled` and :mod:`~lightning_act.capture.graph_ops`: the same
+  inside ``torch.compile`` graphs, planned at compile time and run by the graph ops;
+* :mod:`~lightning_act.capture.active`: the captures capturing now and the seed mixer (read by
+  the graph ops without importing the engine);
 * :mod:`~lightning_act.capture.records`: what autograd holds instead of a saved tensor;
 * :mod:`~lightning_act.capture.report`: the per-module and per-slot byte report.
 """

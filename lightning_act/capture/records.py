@@ -1,8 +1,6 @@
 """What autograd holds instead of a saved tensor, and how a saved tensor is laid out for a codec.
 
-Each record has ``unpack()``, which gives back a tensor of the saved tensor's shape, strides,
-dtype and device; the pack hook returns one of them (or the tensor itself, detached) and the
-unpack hook calls :func:`unpack`.
+Each record's ``unpack()`` gives back a tensor of the saved tensor's shape, strides, dtype and device.
 """
 
 from __future__ import annotations
@@ -33,36 +31,30 @@ def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 class Layout(NamedTuple):
     """How to lay a saved tensor out densely for a codec, and how to give it back.
 
-    Dense tensors of any memory format are read in memory order (a permuted view, no copy)
-    and restored with their original strides; broadcast dimensions (stride 0) are stored
-    once and expanded again; other non-overlapping views (slices such as q, k, v of a fused
-    projection) are copied to a dense tensor and come back dense. A plain value computed
-    from the shape and strides alone, so one layout serves every tensor laid out alike.
+    Dense tensors are read in memory order (a permuted view) and restored with their strides;
+    broadcast dimensions are stored once; other non-overlapping views are copied dense and come
+    back dense. Computed from shape and strides alone: one layout serves every tensor alike.
     """
 
-    #: The saved tensor's shape when it broadcasts (stride-0 dimensions stored once), else None.
+    #: The saved tensor's shape when it broadcasts, else None.
     expand_to: torch.Size | None
     #: The dimensions in memory order, None when they already are.
     perm: tuple[int, ...] | None
     #: Whether the memory-order view still has gaps, so a dense copy is made.
     copy: bool
-    #: The permutation back to the saved tensor's dimensions, None when there is none.
     inverse_perm: tuple[int, ...] | None
-    #: The number of values stored: the saved tensor's distinct elements.
+    #: The saved tensor's distinct elements.
     numel: int
-    #: Whether the dense tensor is the saved tensor's storage read in memory order, so that
-    #: other views of the same storage may decode from it (not so for :meth:`channel_major`
-    #: or padded rows).
+    #: Whether the dense tensor is the storage in memory order, so other views of it may decode
+    #: from it (not so for :meth:`channel_major` or padded rows).
     memory_order: bool = True
-    #: Rows of this many values, each padded to ``padded_row`` (repeating its last value,
-    #: which leaves its range unchanged) so that groups of the codec never span two rows;
-    #: None when rows are not padded.
+    #: Rows of ``row`` values padded to ``padded_row`` by repeating the last value (leaving the
+    #: range unchanged), so no codec group spans two rows; None when not padded.
     row: int | None = None
     padded_row: int | None = None
-    #: The dense tensor's shape before its rows were padded.
     unpadded_shape: tuple[int, ...] | None = None
-    #: ``(shape, strides)`` of a copied view that must come back with its own strides, not
-    #: dense: a save whose backward is unknown (a compiled graph's asserts them); None otherwise.
+    #: ``(shape, strides)`` of a copied view that must come back with its own strides: a save
+    #: whose backward is unknown (a compiled graph's asserts them).
     strided: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @staticmethod
@@ -95,8 +87,7 @@ class Layout(NamedTuple):
 
     @staticmethod
     def channel_major(t: torch.Tensor) -> Layout:
-        """Dimension 1 (the channels) first, each channel's values one run: ``(C, N, ...)``,
-        a copy whatever ``t``'s memory format, restored to ``t``'s shape as a view."""
+        """Channels first, ``(C, N, ...)``, each channel one run: always a copy."""
         perm = (1, 0, *range(2, t.dim()))
         return Layout(None, perm, True, perm, t.numel(), memory_order=False)
 
@@ -106,8 +97,7 @@ class Layout(NamedTuple):
         return self._replace(memory_order=False, row=row, padded_row=padded_row, unpadded_shape=shape)
 
     def with_strides(self, t: torch.Tensor) -> Layout:
-        """This layout, restoring ``t``'s own strides where it copies ``t`` dense. The decoded
-        view is written into a buffer of the view's full extent, alive while backward reads it."""
+        """This layout, restoring ``t``'s own strides where it copies ``t`` dense."""
         return self._replace(strided=(tuple(t.shape), tuple(t.stride()))) if self.copy else self
 
     def dense(self, t: torch.Tensor) -> torch.Tensor:
@@ -137,11 +127,8 @@ _AS_IT_IS = Layout(None, None, False, None, 0)
 
 
 def storage_region(t: torch.Tensor) -> tuple[int, int] | None:
-    """``(offset, numel)`` when ``t``'s elements fill exactly that run of its storage, else None.
-
-    Such a tensor, read in memory order, is that run; so are its other views of the same run
-    (a transpose, a reshape), which can therefore share one stored copy.
-    """
+    """``(offset, numel)`` when ``t``'s elements fill exactly that run of its storage, else None:
+    other views of the same run (a transpose, a reshape) can share one stored copy."""
     if t.is_contiguous():  # the common case, checked in C++
         return t.storage_offset(), t.numel()
     extent = 1
@@ -163,10 +150,8 @@ def unpack(saved: Any) -> torch.Tensor:
 
 
 class Compressed:
-    """What autograd holds instead of a compressed tensor: its record, the layout it was
-    stored in, and what turns a stored substitute's decoded values back into what backward
-    reads (:class:`~lightning_act.backward_reads.PointwiseDerivative`,
-    :class:`~lightning_act.capture.decide.MinusInfinityStandIn`)."""
+    """What autograd holds instead of a compressed tensor: its record, its layout, and the
+    substitute (if any) that turns decoded values back into what backward reads."""
 
     __slots__ = ("record", "layout", "substitute", "slot")
 
@@ -174,8 +159,8 @@ class Compressed:
         self.record = record
         self.layout = layout
         self.substitute = substitute
-        #: The policy's slot of a rounded save (None for a probe's, a mask's, indices'): the
-        #: report's row to move where a later save's copy supersedes this one.
+        #: The policy's slot of a rounded save, else None: the report row to move where a
+        #: later save's copy supersedes this one.
         self.slot = slot
 
     def unpack(self) -> torch.Tensor:
@@ -211,13 +196,9 @@ class KeptRecord:
 
 
 class MatchedSave:
-    """What autograd holds for a tensor backward only compares for equality with a value its
-    call computes from other saves (:class:`~lightning_act.backward_reads.Match`): once the
-    partners are saved, the comparison's outcome at 1 bit per element and those partners'
-    own records; at unpack, ``other`` where it matched and a value that matches nothing
-    elsewhere (:meth:`~lightning_act.backward_reads.Match.stand_in`), so that backward's
-    comparisons, and so its gradients, come out as with the tensor itself. Until then, and
-    for good where no outcome could be stored, the tensor itself."""
+    """A tensor backward only compares for equality with a value computed from other saves
+    (:class:`~lightning_act.backward_reads.Match`): once settled, the 1-bit outcome, unpacked as
+    ``other`` where it matched and a value matching nothing elsewhere; else the tensor itself."""
 
     __slots__ = ("match", "tensor", "matched", "partners", "shape")
 
@@ -229,9 +210,8 @@ class MatchedSave:
         self.shape = t.shape
 
     def settle(self, partners: list) -> int | None:
-        """Store the outcome against ``partners`` (what autograd holds for each, exact):
-        the bytes stored, or None where the tensor stays (a shape or dtype the traced
-        comparison does not hold for)."""
+        """Store the outcome against ``partners`` (exact records): the bytes stored, or None
+        where the tensor stays (a shape or dtype the traced comparison does not hold for)."""
         try:
             other = self.match.compute(self.shape, *[unpack(p) for p in partners])
             if other.dtype != self.tensor.dtype or torch.broadcast_shapes(other.shape, self.shape) != self.shape:
@@ -249,8 +229,7 @@ class MatchedSave:
 
 
 class Recomputation:
-    """One fused attention call's saved outputs, computed again from what autograd holds for
-    its inputs (:class:`~lightning_act.backward_reads.Recompute`): once for all of them, when
+    """One fused attention call's saved outputs, recomputed from its inputs' records when
     backward unpacks the first, and let go once each was taken."""
 
     __slots__ = ("recompute", "inputs", "saved", "waiting", "outputs")
@@ -277,8 +256,7 @@ class Recomputation:
 
 
 class RecomputedOutput:
-    """What autograd holds for a fused attention's output: which output of its call's
-    :class:`Recomputation`, in the layout the call saved it in."""
+    """One output of a :class:`Recomputation`, in the layout the call saved it in."""
 
     __slots__ = ("recomputation", "index", "size", "stride")
 
@@ -320,11 +298,8 @@ class RecastWeight:
 
 
 class ProbeRecord:
-    """Probe mode: the exact dense tensor, quantized at unpack only when its slot is probed.
-
-    ``probe`` is the :class:`~lightning_act.capture.engine.Probe` of the session, ``codec``
-    the quantizer the tensor would be stored with.
-    """
+    """Probe mode: the exact dense tensor, quantized at unpack (with ``codec``) only when
+    ``probe`` (:class:`~lightning_act.capture.engine.Probe`) probes its slot."""
 
     __slots__ = ("probe", "slot", "dense", "codec", "group_axis")
 
@@ -357,14 +332,13 @@ class Shared(NamedTuple):
     #: ``(shape, strides)`` of the view stored: the same view gets ``saved`` itself.
     view: tuple
     saved: Any
-    #: For a run of storage, its record in memory order, from which other views are restored.
+    #: For a run of storage, its record in memory order, which other views are restored from.
     record: Any
     #: The fewest bits a save of the same view gets from it; one needing more is stored again.
     view_guaranteed: float
     #: The same for another view of the run, read through ``record`` (0 without one).
     run_guaranteed: float
-    #: For a rounded copy, the rows its groups stay within (its decision's ``row_group`` and
-    #: ``row_layout``; ``(None, None)``: groups in memory order); None for an exact copy.
+    #: A rounded copy's ``(row_group, row_layout)``; None for an exact copy.
     rows: tuple | None = None
     #: Whether another view of the run decodes from ``record``.
     viewed: bool = False

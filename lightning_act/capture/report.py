@@ -41,7 +41,7 @@ class Outcome(enum.Enum):
 
     def __init__(self, value: str):
         # Plain attributes, not properties: the capture engine reads them for every save.
-        #: The value again (an enum's ``value`` is a property, read at every save).
+        #: The value again (an enum's ``value`` is a property).
         self.key = value
         #: Whether the saved tensor's own storage stays allocated for backward.
         self.keeps_storage = value in ("kept", "exact", "statistic")
@@ -147,12 +147,8 @@ class SlotMemory:
 
 
 class ReportDelta:
-    """What a fixed set of saved tensors adds to a report, summed once.
-
-    A compiled graph packs the same tensors at every step, so what they add (bytes, counts,
-    per-module rows, slots) is summed once per set and added to each step's report by
-    :meth:`CompressionReport.add` in a few operations, whatever the number of tensors; the
-    per-module rows are folded in only when :attr:`CompressionReport.modules` is read."""
+    """What a fixed set of saved tensors adds to a report, summed once: a compiled graph packs the
+    same tensors every step, so :meth:`CompressionReport.add` adds them in a few operations."""
 
     def __init__(self) -> None:
         self.saved_bytes = 0
@@ -227,10 +223,9 @@ class CompressionReport:
         bits: Any = NO_BITS,
         codec: str | None = None,
     ) -> None:
-        """Count one tensor of ``module``, saved by ``op``, with ``saved`` bytes more that autograd
-        would keep and ``stored`` more stored instead, at ``bits`` (None: exact) by ``codec``:
-        in the totals now, in its module's row when the rows are read. Rows are read at a
-        logging step, not at every step, and an eager step counts every save it makes."""
+        """Count one tensor of ``module``, saved by ``op``: ``saved`` bytes autograd would keep,
+        ``stored`` bytes stored instead, at ``bits`` (None: exact) by ``codec``. Totals now; its
+        module's row only when the rows are read (at logging steps, not every step)."""
         key = outcome.key
         self.counts[key] = self.counts.get(key, 0) + 1
         self.saved_bytes += saved

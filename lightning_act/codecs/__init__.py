@@ -1,6 +1,4 @@
-"""How one saved tensor is stored: each codec turns a dense tensor into a compact record
-that can rebuild it (``unpack``), reports the bytes that record really holds (``nbytes``)
-and names how it is stored (``codec``, as the per-module report shows it)."""
+"""Codecs: each turns a dense tensor into a compact record with ``unpack()``, ``nbytes`` and ``codec`` (its name)."""
 
 from lightning_act.codecs.division import DivisionCodec, DivisionTensor
 from lightning_act.codecs.exact import IndexCodec, MaskCodec, SignMaskCodec, StoredTensor
@@ -25,10 +23,8 @@ __all__ = [
 def make_codec(name: str, group_size: int, block: int):
     """The codec for floating-point activations named by :class:`CompressionConfig.codec`.
 
-    Every one has ``keeps_zeros``: whether zeros decode to exact zeros and positive values
-    to positive ones, which a ReLU output needs (its backward reads ``out > 0``); and
-    ``unbiased``: whether a decoded tensor equals the original in expectation, so that any
-    op may read it (a pooled copy serves only the op it was made for).
+    Each has ``keeps_zeros`` (zeros decode to zeros and positives to positives, as a ReLU's backward
+    needs) and ``unbiased`` (decoded equals original in expectation, so any op may read it).
     """
     if name == "division":
         return DivisionCodec(block=block, group_size=group_size)

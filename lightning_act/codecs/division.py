@@ -1,23 +1,13 @@
-"""DIVISION's dual-precision codec: a 16-bit low-frequency component plus a quantized residual.
+"""DIVISION's dual-precision codec (ICML 2023): a 16-bit low-frequency component plus a quantized residual.
 
-Backward passes mostly need an activation's low-frequency content (DIVISION, ICML 2023).
-The codec keeps the average of every ``block x block`` tile in 16 bits (the low-frequency
-component, LFC) and stores the high-frequency residual ``x - upsample(LFC)`` with the
-per-group stochastic quantizer at ``bits`` per value. The residual's range is much
-narrower than the activation's, so the same bits leave less noise; decoding adds the two
-back and is unbiased like the plain quantizer.
+Backward passes mostly need an activation's low-frequency content. The codec keeps the mean of every
+``block x block`` tile in 16 bits (the LFC) and quantizes the residual ``x - upsample(LFC)`` stochastically at
+``bits`` per value: the residual's range is narrower, so the same bits leave less noise, and decoding is unbiased.
 
-Residual groups are ``group_size`` consecutive values in memory order (256 by default),
-exactly the groups of :class:`~lightning_act.codecs.GroupQuantCodec`, rather than one
-group per (sample, channel) plane as in the paper: it reuses the quantizer's format and
-statistics, handles planes of any size (49, 196 or 784 pixels are not powers of two), and
-a group of 256 follows the residual's local range more closely than a plane of 1024 does,
-for 0.125 bit of statistics per value. Groups that span several small planes mix channels,
-which costs little here: subtracting each tile's mean already removed what differs most
-between channels.
-
-Cost per value at ``bits = 2`` on fp32 activations: 2 bits of codes, 0.125 bit of group
-statistics and ``16 / block**2`` bits of LFC (0.25 bit for block 8): about 2.4 bits, 13.5x.
+Residual groups are ``group_size`` consecutive values in memory order, those of
+:class:`~lightning_act.codecs.GroupQuantCodec`, rather than the paper's one group per plane: this reuses the
+quantizer's format, handles planes of any size and follows the residual's local range more closely. Groups that
+span several small planes mix channels, which costs little once each tile's mean is removed.
 """
 
 from __future__ import annotations
@@ -99,30 +89,21 @@ class DivisionTensor:
 class DivisionCodec:
     """DIVISION: 16-bit tile means plus a residual quantized at ``bits`` per value.
 
-    Which tensors are split, and how:
+    * 4-D ``(N, C, H, W)`` with ``H, W >= block``: each of the ``N * C`` planes is cut into
+      ``block x block`` tiles (edge tiles average only the pixels they hold);
+    * 3-D ``(N, T, D)`` with ``T >= block``: each feature is averaged over runs of ``block``
+      positions along ``T``;
+    * anything else (where the LFC would cost more than it removes) is stored as
+      :class:`~lightning_act.codecs.GroupQuantCodec` stores it, at the same ``bits``.
 
-    * 4-D ``(N, C, H, W)`` activations with ``H >= block`` and ``W >= block``: each of the
-      ``N * C`` planes is cut into ``block x block`` tiles;
-    * 3-D ``(N, T, D)`` activations with ``T >= block``: each feature is averaged over runs
-      of ``block`` consecutive positions of the sequence axis ``T``;
-    * anything else (other ranks, maps smaller than one tile, where the LFC would cost
-      more than it removes) is stored by plain per-group quantization at the same ``bits``
-      and ``group_size``, i.e. as :class:`~lightning_act.codecs.GroupQuantCodec` stores it.
-
-    Tiles on the bottom and right edges of a map whose size is not a multiple of ``block``
-    average only the rows and columns the map has.
-
-    The codec reads the tensor in the order it is given: a ``channels_last`` activation
-    handed over in memory order ``(N, H, W, C)`` is still stored correctly and unbiasedly,
-    only with tiles over ``(W, C)``, which compress less well.
+    A ``channels_last`` activation given in memory order ``(N, H, W, C)`` is still stored
+    unbiasedly, only with tiles over ``(W, C)``, which compress less well.
 
     Args:
-        block: tile side (sequence run for 3-D activations), >= 2. The paper uses 8.
-        lfc_dtype: dtype of the tile means: ``torch.bfloat16`` (default; float32's range),
-            ``torch.float16`` (3 more mantissa bits; means beyond 65504 become NaN groups) or
-            ``torch.float32``.
-        group_size: residual values sharing one (low, step) pair, a power of two in
-            [8, 65536].
+        block: tile side (run length for 3-D activations), >= 2.
+        lfc_dtype: dtype of the tile means: ``torch.bfloat16`` (float32's range), ``torch.float16`` (3 more
+            mantissa bits; means beyond 65504 become NaN groups) or ``torch.float32``.
+        group_size: residual values sharing one (low, step) pair, a power of two in [8, 65536].
 
     Raises:
         ValueError: a setting is out of range; the message names it and what is allowed.

@@ -1,9 +1,7 @@
-"""Lossless codecs: boolean masks at 1 bit per value, integer tensors at the fewest bits
-their range needs, and a 1-bit sign mask for tensors whose consumer only asks ``x > 0``.
+"""Lossless codecs: boolean masks at 1 bit per value, integer tensors at the fewest bits their range needs, and
+a 1-bit sign mask for tensors whose consumer only asks ``x > 0``.
 
-Sub-byte codes are packed *planar* (:mod:`lightning_act.ops.layout`): every bit field is
-then a contiguous slice, which PyTorch vectorizes on any device, so no custom kernel is
-needed.
+Sub-byte codes are packed *planar* (:mod:`lightning_act.ops.layout`), which PyTorch vectorizes on any device.
 """
 
 from __future__ import annotations
@@ -57,9 +55,7 @@ class StoredTensor:
         return _no_stats(self.tensor.device)
 
     def unpack(self) -> torch.Tensor:
-        """The tensor itself. Backward only reads what it unpacks, as it reads the tensors
-        autograd keeps without hooks; a copy would hold the tensor twice while it runs
-        (an LSTM's oneDNN workspace, for one, is stored this way)."""
+        """The tensor itself, not a copy: backward only reads it, and a copy would hold it twice."""
         return self.tensor
 
 
@@ -91,10 +87,9 @@ class MaskTensor:
 
 
 class MaskCodec:
-    """Stores boolean tensors (ReLU and dropout masks, comparison results) at 1 bit per value.
+    """Stores boolean tensors (ReLU and dropout masks, comparison results) losslessly at 1 bit per value.
 
-    Lossless. ``bits`` and ``seed`` of :meth:`pack` are accepted for the common codec
-    interface and ignored.
+    ``bits`` and ``seed`` of :meth:`pack` are ignored.
     """
 
     name = "mask"
@@ -113,9 +108,8 @@ class MaskCodec:
 
 
 class SignMaskTensor:
-    """``x > 0`` of a float tensor at 1 bit per value, decoded as 0/1 in the original dtype
-    (divided by ``divisor`` when one is given); or ``low < x < high``, decoded as the
-    interval's midpoint inside and ``high + (high - low)`` outside."""
+    """``x > 0`` at 1 bit per value, decoded as 0/1 in the original dtype (divided by ``divisor`` if given);
+    or ``low < x < high``, decoded as the interval's midpoint inside and ``high + (high - low)`` outside."""
 
     codec = "sign_mask"
     __slots__ = ("mask", "dtype", "divisor", "interval")
@@ -143,8 +137,7 @@ class SignMaskTensor:
         return self.mask.stats
 
     def unpack(self) -> torch.Tensor:
-        """A new tensor of the original dtype: 1 (or ``1 / divisor``) where ``x > 0``, else 0;
-        for an interval, a value inside it where ``x`` was inside, else one above it."""
+        """A new tensor of the original dtype, decoded as the class describes."""
         values = self.mask.unpack().to(self.dtype)
         if self.interval is not None:
             low, high = self.interval
@@ -154,19 +147,15 @@ class SignMaskTensor:
 
 
 class SignMaskCodec:
-    """Stores only ``x > 0`` of a float tensor, or whether ``x`` lies strictly inside an
-    interval, at 1 bit per value.
+    """Stores only ``x > 0`` of a float tensor, or whether ``x`` lies strictly inside an interval, at 1 bit per
+    value.
 
-    Exact for a consumer that reads nothing but the sign: LeakyReLU saves its input and its
-    backward is ``grad * (x > 0 ? 1 : slope)``, and the decoded 0/1 tensor gives that same
-    mask. With an interval, exact for ReLU6, Hardtanh and Hardsigmoid, whose backward is
-    ``grad`` times one constant where ``low < x < high`` and 0 elsewhere. Exact also for
-    dropout's noise on the CPU (``bernoulli(1 - p) / (1 - p)``, saved by
-    the multiplication that applies it) when ``divisor = 1 - p``: decoding repeats the same
-    division in the same dtype. Any other consumer gets a wrong tensor, so select this codec
-    only for a tensor saved by such an op (see :mod:`lightning_act.optrack`) and never hand
-    its record to a second op that saved the same tensor. NaN, not being ``> 0``, decodes
-    to 0. ``bits`` and ``seed`` of :meth:`pack` are ignored.
+    Exact only for a consumer that reads nothing but that mask: LeakyReLU's backward
+    (``grad * (x > 0 ? 1 : slope)``); with an interval, ReLU6, Hardtanh and Hardsigmoid; with
+    ``divisor = 1 - p``, dropout's CPU noise ``bernoulli(1 - p) / (1 - p)`` (decoding repeats the
+    division in the same dtype). Any other consumer gets a wrong tensor, so use it only for a
+    tensor saved by such an op (see :mod:`lightning_act.optrack`), never for one a second op
+    also saved. NaN decodes to 0. ``bits`` and ``seed`` of :meth:`pack` are ignored.
     """
 
     name = "sign_mask"
@@ -179,8 +168,7 @@ class SignMaskCodec:
         divisor: float | None = None,
         interval: tuple[float, float] | None = None,
     ) -> SignMaskTensor:
-        """Keep the sign mask of a contiguous float tensor, or whether each value lies strictly
-        inside ``interval = (low, high)``.
+        """Keep ``x > 0`` of a contiguous float tensor, or ``low < x < high`` for ``interval = (low, high)``.
 
         Raises:
             ValueError: ``dense`` is not floating point, or the interval is empty.
@@ -238,8 +226,7 @@ def index_width(span: int) -> int | None:
 
 
 def index_layout(low: int, high: int, dtype: torch.dtype) -> tuple[int, int] | None:
-    """``(width, offset)`` of :class:`IndexCodec`'s codes for values in ``low .. high`` of
-    ``dtype``; None where they would not be narrower than ``dtype``."""
+    """``(width, offset)`` of :class:`IndexCodec`'s codes for ``low .. high``; None unless narrower than ``dtype``."""
     width = index_width(high - low)
     if width is None or width >= dtype.itemsize * 8:
         return None
@@ -254,22 +241,14 @@ class IndexCodec:
     """Stores integer tensors losslessly in the fewest bits their range needs.
 
     Values are stored as ``value - low`` in the narrowest of 1, 2, 4, 8, 16 or 32 bits that
-    holds ``high - low``; a tensor whose range needs more bits than its dtype saves is kept
-    as it is. A 3x3 max-pool's indices into a 56x56 plane need 16 bits instead of 64.
+    holds ``high - low``; a tensor that would not get narrower than its dtype is kept as it is.
 
-    The range must be known on the host, since it sets the size of the output. Two ways:
-
-    * the caller passes ``value_range`` when it knows a bound without looking at the data
-      (:func:`~lightning_act.optrack.saved_index_range` reads one off the op's arguments:
-      max-pool indices, an indexing op's index, a loss's class target). No device work, no
-      synchronisation; a bound that does not hold corrupts the tensor, so pass only
-      guaranteed bounds;
-    * otherwise :meth:`pack` measures it with one fused ``aminmax`` pass and a single
-      device-to-host copy of the two numbers. On a GPU that copy waits for the queue to
-      drain, which is why the capture engine measures only CPU tensors and keeps an
-      unbounded integer tensor on a GPU as it is.
-
-    ``bits`` and ``seed`` of :meth:`pack` are ignored.
+    The range sets the output's size, so it must be known on the host: either the caller
+    passes ``value_range``, a bound known without reading the data (e.g. from
+    :func:`~lightning_act.optrack.saved_index_range`; a bound that does not hold corrupts the
+    tensor), or :meth:`pack` measures it with one ``aminmax`` and a device-to-host copy, which
+    on a GPU waits for the queue to drain (the capture engine therefore measures only CPU
+    tensors). ``bits`` and ``seed`` of :meth:`pack` are ignored.
     """
 
     name = "index"
@@ -277,17 +256,11 @@ class IndexCodec:
     def pack(
         self, dense: torch.Tensor, bits: int, seed: int, value_range: tuple[int, int] | None = None
     ) -> IndexTensor | StoredTensor:
-        """Store a contiguous integer tensor.
-
-        Args:
-            dense: one of :data:`INDEX_DTYPES`, contiguous.
-            bits: ignored (lossless).
-            seed: ignored (no rounding).
-            value_range: ``(low, high)`` with ``low <= value <= high`` for every value, if known.
+        """Store a contiguous tensor of one of :data:`INDEX_DTYPES`; ``value_range``: ``(low, high)`` bounding
+        every value, if known.
 
         Raises:
-            ValueError: ``dense`` has another dtype or is not contiguous, or ``value_range``
-                is empty or outside the dtype.
+            ValueError: another dtype, not contiguous, or ``value_range`` empty or outside the dtype.
         """
         if dense.dtype not in INDEX_DTYPES:
             allowed = ", ".join(str(dtype) for dtype in INDEX_DTYPES)
@@ -313,8 +286,7 @@ class IndexCodec:
         if width in _WIDE_CODE_DTYPES:
             codes = (flat - offset).to(_WIDE_CODE_DTYPES[width])
         else:
-            # Conversion to uint8 keeps a value mod 256 (C++ defines that for unsigned targets)
-            # and so does uint8 subtraction: the code is value - low, which is below 256.
+            # uint8 conversion and subtraction both work mod 256, and value - low is below 256.
             codes = flat.to(torch.uint8) - low % 256
             if width < 8:
                 codes = pack_bit_fields(codes, width, planar=True)

@@ -1,13 +1,9 @@
 """Pooling compression (Barley and Froening 2024): backward gets a down-sampled copy.
 
-The forward pass is exact; what autograd keeps for backward is the average of every
-``kernel x kernel`` tile, at the activation's own dtype, and backward sees each tile's
-average repeated over the tile (nearest up-sampling). This is LOSSY and BIASED: the
-decoded tensor is the same for every seed, and its error ``x - upsample(avg_pool(x))`` is
-the activation's within-tile detail, which no number of steps averages away. Only tile
-means survive exactly. The paper trades that bias for 29% lower peak memory at the price
-of a longer schedule; apply it per layer, where the accuracy cost was measured to be
-acceptable.
+Autograd keeps the mean of every ``kernel x kernel`` tile at the activation's dtype, and
+backward sees each mean repeated over its tile. This is LOSSY and BIASED: the error (the
+within-tile detail) is the same for every seed, so no number of steps averages it away.
+Apply it per layer, where its accuracy cost is known to be acceptable.
 """
 
 from __future__ import annotations
@@ -38,11 +34,8 @@ class PooledTensor:
 
     @property
     def stats(self) -> torch.Tensor:
-        """One ``[1, 2]`` bfloat16 row, NaN if the pooled copy holds NaN or Inf, else 0.
-
-        The capture engine counts NaN rows as non-finite groups; computed when asked, on the
-        device, without synchronising.
-        """
+        """One ``[1, 2]`` bfloat16 row, NaN (a non-finite group) if the pooled copy holds NaN or Inf, else 0;
+        computed on the device without synchronising."""
         finite = torch.isfinite(self.pooled).all()
         return torch.where(finite, 0.0, float("nan")).to(torch.bfloat16).expand(1, 2)
 
@@ -56,15 +49,12 @@ class PooledTensor:
 class PoolCodec:
     """Stores a ``kernel``-average-pooled copy; lossy and BIASED (see the module docstring).
 
-    * 4-D ``(N, C, H, W)`` activations with ``H >= kernel`` and ``W >= kernel``: the means
-      of ``kernel x kernel`` tiles (``kernel**2`` times smaller);
-    * 3-D ``(N, T, D)`` activations with ``T >= kernel``: means of runs of ``kernel``
-      consecutive positions along ``T`` (``kernel`` times smaller);
-    * anything else is kept exactly as it is: pooling another layout has no agreed meaning.
+    * 4-D ``(N, C, H, W)`` with ``H, W >= kernel``: means of ``kernel x kernel`` tiles (edge
+      tiles average only the pixels they hold);
+    * 3-D ``(N, T, D)`` with ``T >= kernel``: means of runs of ``kernel`` positions along ``T``;
+    * anything else is kept as it is: pooling another layout has no agreed meaning.
 
-    Tiles on the bottom and right edges of a map whose size is not a multiple of ``kernel``
-    average only the rows and columns the map has. ``bits`` and ``seed`` of :meth:`pack` are
-    ignored: the pooled copy keeps the activation's dtype and nothing is rounded at random.
+    ``bits`` and ``seed`` of :meth:`pack` are ignored.
 
     Args:
         kernel: tile side (run length for 3-D activations), >= 2.
@@ -92,8 +82,7 @@ class PoolCodec:
             maps, kernel_h, kernel_w = dense.unsqueeze(1), self.kernel, 1
         else:
             return StoredTensor(dense)
-        # ceil_mode keeps the partial edge tiles; without padding their divisor is the number
-        # of pixels they really hold.
+        # ceil_mode keeps partial edge tiles; count_include_pad=False divides by the pixels they hold.
         pooled = F.avg_pool2d(maps, (kernel_h, kernel_w), ceil_mode=True, count_include_pad=False)
         if dense.dim() == 3:
             pooled = pooled.squeeze(1)

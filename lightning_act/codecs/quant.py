@@ -43,9 +43,8 @@ class QuantizedTensor:
 
     def unpack(self) -> torch.Tensor:
         """A new contiguous tensor of the original shape and dtype."""
-        # The op itself, not its checked wrapper: packing loaded the kernels for this device,
-        # and a step decodes every record (the wrapper's check and the op packet's dispatch
-        # were a fifth of a small record's decode).
+        # The op overload, not the checked wrapper: packing already loaded this device's kernels,
+        # and skipping the wrapper's overhead matters for the many small records a step decodes.
         rows, columns = self.matrix
         flat = _UNPACK_DEQUANTIZE(
             self.codes, self.stats, self.bits, self.group_size, self.shape.numel(), self.dtype, rows, columns
@@ -72,10 +71,9 @@ class GroupQuantCodec:
         self.group_size = group_size
 
     def pack(self, dense: torch.Tensor, bits: int, seed: int, group_axis: int | None = None) -> QuantizedTensor:
-        """Quantize a contiguous float tensor; ``seed`` selects the rounding noise. Groups run
-        along the last axis (memory order), or along ``group_axis``: the tensor is read as
-        matrices of ``rows = shape[group_axis]`` by ``columns =`` the product of the sizes
-        after it, column by column (see :mod:`lightning_act.capture.group_order`)."""
+        """Quantize a contiguous float tensor; ``seed`` selects the rounding noise. Groups run in memory order,
+        or along ``group_axis``: the tensor is read column by column as matrices of ``shape[group_axis]`` rows
+        (see :mod:`lightning_act.capture.group_order`)."""
         matrix, source = (0, 0), dense
         if group_axis is not None:
             matrix = (dense.shape[group_axis], dense.shape[group_axis + 1 :].numel())

@@ -10,15 +10,13 @@ from torch.utils.data import DataLoader, Dataset
 class SplitDataModule(pl.LightningDataModule):
     """A data module whose ``setup`` assigns ``train_set``, ``val_set`` and ``test_set``.
 
-    Training batches are shuffled and complete (an incomplete last batch is dropped);
-    validation and test batches come in order. Where one data set serves two splits, the
-    subclass assigns it to both.
+    Training batches are shuffled and complete (a short last batch is dropped); validation and
+    test batches come in order.
 
     Args:
         batch_size: samples per batch.
-        num_workers: data loader worker processes, kept alive from one epoch to the next;
-            ``None``: one per CPU core available to each device's process, less one for
-            the process itself (Lightning's suggestion, so neither it nor PyTorch warns).
+        num_workers: data loader worker processes, kept alive between epochs; ``None``: one per
+            available CPU core, less one (Lightning's suggestion, so neither it nor PyTorch warns).
     """
 
     def __init__(self, batch_size: int, num_workers: int | None):

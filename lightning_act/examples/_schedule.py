@@ -14,13 +14,12 @@ def warmup_cosine(optimizer: Optimizer, trainer: pl.Trainer, warmup_steps: int =
 
     Args:
         optimizer: the optimizer whose learning rates are scaled.
-        trainer: gives the run length (``estimated_stepping_batches``), so the decay ends
-            exactly at the last optimizer step whatever ``max_epochs``/``max_steps`` say.
+        trainer: gives the run length (``estimated_stepping_batches``): the decay ends at the
+            last optimizer step.
         warmup_steps: steps of linear warmup from 0 before the cosine decay starts.
 
     Raises:
-        ValueError: the run has no end (``max_epochs=-1`` and no ``max_steps``), so a
-            schedule over it cannot be laid out.
+        ValueError: the run has no end (``max_epochs=-1`` and no ``max_steps``).
     """
     total = trainer.estimated_stepping_batches
     if not math.isfinite(total):

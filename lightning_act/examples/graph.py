@@ -18,8 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from lightning_act.examples._checks import check_fraction, check_positive
 
 with warnings.catch_warnings():
-    # PyG scripts a helper with torch.jit.script at import, which recent torch deprecates:
-    # a warning about PyG's internals that users of these examples cannot act on.
+    # PyG calls the deprecated torch.jit.script at import: a warning users cannot act on.
     warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
     from torch_geometric.data import Data
     from torch_geometric.datasets import Planetoid
@@ -123,10 +122,8 @@ class NodeClassifier(pl.LightningModule):
 class PlanetoidDataModule(pl.LightningDataModule):
     """A Planetoid citation graph (Cora, CiteSeer, PubMed) with its train/val/test masks.
 
-    Every loader yields the whole graph once per epoch; the steps pick their mask. The raw
-    files are only read: PyG's ``processed/`` copy is built in a temporary folder, removed
-    once the graph is in memory (a second or two for Cora), so a shared data folder is
-    never written.
+    Every loader yields the whole graph once per epoch; the steps pick their mask. PyG's
+    ``processed/`` copy is built in a temporary folder, so a shared data folder is never written.
 
     Args:
         root: folder holding ``<name>/raw/`` (``ind.cora.x`` ...).
@@ -157,8 +154,7 @@ class PlanetoidDataModule(pl.LightningDataModule):
         self.data: Data | None = None
         self.num_features: int | None = None
         self.num_classes: int | None = None
-        # Checked here, not at prepare_data, so a wrong path fails before a model is built
-        # (and before PyG creates folders for a download that cannot happen offline).
+        # Checked here, not at prepare_data, so a wrong path fails before a model or folder is made.
         if not download:
             expected = _ReadOnlyPlanetoid.expected_raw_files(self.root, name, split)
             missing = [path for path in expected if not path.is_file()]

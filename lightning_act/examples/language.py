@@ -1,8 +1,6 @@
 """Character-level language modelling: a small GPT and a text-file data module.
 
-Characters are the text's UTF-8 bytes, so the vocabulary is always the same 256 entries
-and any text file works without a vocabulary to save; for ASCII text such as Tiny
-Shakespeare a byte is a character.
+Characters are the text's UTF-8 bytes: a fixed 256-entry vocabulary fits any text file.
 """
 
 from __future__ import annotations
@@ -27,13 +25,8 @@ VOCAB_SIZE = 256
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention in which each position sees only itself and the past.
-
-    Args:
-        d_model: width of the residual stream.
-        n_heads: attention heads; ``d_model`` must be a multiple of it.
-        dropout: dropout on the attention weights and the output projection.
-    """
+    """Multi-head causal self-attention (``n_heads`` divides ``d_model``), ``dropout`` on the
+    attention weights and the output projection."""
 
     def __init__(self, d_model: int, n_heads: int, dropout: float):
         super().__init__()
@@ -51,13 +44,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``.
-
-    Args:
-        d_model: width of the residual stream.
-        n_heads: attention heads.
-        dropout: dropout after attention and after the MLP.
-    """
+    """Pre-norm block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``; arguments as :class:`CausalSelfAttention`'s."""
 
     def __init__(self, d_model: int, n_heads: int, dropout: float):
         super().__init__()
@@ -82,10 +69,8 @@ class CharTransformer(pl.LightningModule):
         n_heads: attention heads per block; must divide ``d_model``.
         block_size: longest context, in bytes (positions have learned embeddings up to it).
         dropout: dropout probability in every block.
-        lr: peak AdamW learning rate, reached after ``warmup_steps`` and decayed to zero
-            along a cosine over the whole run.
-        weight_decay: AdamW decay, applied to matrices and embeddings only (not to biases
-            and LayerNorm gains).
+        lr: peak AdamW learning rate, after ``warmup_steps``; cosine decay to zero over the run.
+        weight_decay: AdamW decay on matrices and embeddings (not biases and LayerNorm gains).
         warmup_steps: optimizer steps of linear warmup.
 
     Raises:
@@ -176,12 +161,7 @@ class CharTransformer(pl.LightningModule):
 
 
 class ByteWindows(Dataset):
-    """Non-overlapping windows of a byte sequence: ``(x, y)`` with ``y`` shifted by one.
-
-    Args:
-        data: the bytes as a ``uint8`` tensor.
-        block_size: window length.
-    """
+    """Non-overlapping ``block_size`` windows of a ``uint8`` byte tensor: ``(x, y)``, ``y`` shifted by one."""
 
     def __init__(self, data: torch.Tensor, block_size: int):
         if len(data) <= block_size:
@@ -205,13 +185,10 @@ class CharTextDataModule(SplitDataModule):
         path: the text file (UTF-8). Tiny Shakespeare is the customary corpus.
         download: fetch ``url`` to ``path`` when ``path`` does not exist.
         url: where to fetch the text from.
-        block_size: bytes per training window; the model's ``block_size`` must be at least
-            this.
+        block_size: bytes per training window, at most the model's ``block_size``.
         batch_size: windows per batch.
-        num_workers: data loader worker processes; ``None``: one per available CPU core,
-            less one.
-        train_fraction: leading share of the text used for training; the rest validates
-            (and tests).
+        num_workers: data loader worker processes; ``None``: one per available CPU core, less one.
+        train_fraction: leading share of the text used for training; the rest validates and tests.
 
     Raises:
         FileNotFoundError: ``path`` does not exist and ``download`` is off.

@@ -1,8 +1,4 @@
-"""Image classification: a torchvision ResNet, CIFAR-10, and a generated data set.
-
-These are ordinary Lightning classes, reusable without the rest of the library; the
-``configs/`` files pair them with :class:`~lightning_act.ActCompression`.
-"""
+"""Image classification: a torchvision ResNet, CIFAR-10, and a generated data set (plain Lightning classes)."""
 
 from __future__ import annotations
 
@@ -37,15 +33,13 @@ class ImageClassifier(pl.LightningModule):
     """A torchvision ResNet trained with cross-entropy.
 
     Args:
-        arch: torchvision ResNet constructor name: resnet18, resnet34, resnet50, resnet101,
-            resnet152, resnext50_32x4d, resnext101_32x8d, resnext101_64x4d, wide_resnet50_2
-            or wide_resnet101_2. Weights start random.
+        arch: torchvision ResNet constructor name: resnet18/34/50/101/152, resnext50_32x4d,
+            resnext101_32x8d/64x4d or wide_resnet50_2/101_2. Weights start random.
         num_classes: size of the classification head.
         cifar_stem: for 32x32 inputs: a 3x3 stride-1 first convolution and no max-pool,
             so the first stage sees 32x32 maps instead of 8x8.
         optimizer: ``sgd`` (momentum, Nesterov) or ``adamw``.
-        lr: peak learning rate, reached after ``warmup_steps`` and decayed to zero along a
-            cosine over the whole run.
+        lr: peak learning rate, after ``warmup_steps``; cosine decay to zero over the run.
         momentum: SGD momentum (``adamw``: beta1).
         weight_decay: decoupled for ``adamw``, L2 for ``sgd``.
         warmup_steps: optimizer steps of linear warmup.
@@ -129,13 +123,8 @@ class ImageClassifier(pl.LightningModule):
 
 
 class ImageArrayDataset(Dataset):
-    """Images held in memory as ``uint8[n, height, width, 3]`` with integer labels.
-
-    Args:
-        images: the pixels, decoded once.
-        labels: class index per image.
-        transform: applied to each ``uint8[3, height, width]`` tensor.
-    """
+    """``uint8[n, height, width, 3]`` images in memory with class labels; ``transform`` is applied to
+    each ``uint8[3, height, width]`` tensor."""
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, transform: v2.Transform):
         self.images = images
@@ -153,21 +142,17 @@ class ImageArrayDataset(Dataset):
 class CIFAR10DataModule(SplitDataModule):
     """CIFAR-10: 50,000 training and 10,000 test images, 32x32, 10 classes.
 
-    Reads the packed JPEG copy (``cifar10_jpeg_train.npz`` and ``cifar10_jpeg_test.npz``,
-    offsets into concatenated JPEG files) when ``data_dir`` holds it, and torchvision's
-    ``CIFAR10`` layout (``cifar-10-batches-py/``) otherwise, downloading it there when
-    ``download`` is set. Either way the images are decoded once into one ``uint8`` array.
-    Training images are padded by 4, randomly cropped back to 32x32 and flipped; the test
-    set serves for validation and testing.
+    Reads the packed JPEG copy (``cifar10_jpeg_train.npz``, ``cifar10_jpeg_test.npz``) when
+    ``data_dir`` holds it, else torchvision's ``cifar-10-batches-py/``, decoded once into memory.
+    Training images are padded by 4, randomly cropped and flipped; the test set also validates.
 
     Args:
         data_dir: folder holding the packed files or torchvision's layout.
         batch_size: images per batch.
-        num_workers: data loader worker processes; ``None``: one per available CPU core,
-            less one.
+        num_workers: data loader worker processes; ``None``: one per available CPU core, less one.
         download: fetch torchvision's copy into ``data_dir`` when neither layout is there.
-        limit: use only this many images of each split: a fixed random subset, drawn
-            across the whole split (the files are sorted by class, a prefix would not be).
+        limit: use only a fixed random subset of this many images of each split (the files are
+            sorted by class, so a prefix would not do).
 
     Raises:
         FileNotFoundError: ``data_dir`` holds neither layout and ``download`` is off.
@@ -242,17 +227,11 @@ class CIFAR10DataModule(SplitDataModule):
 
 
 class SyntheticImages(Dataset):
-    """Noisy, shifted copies of class patterns, each drawn from its own seed when read.
+    """Noisy, shifted copies of class patterns, each drawn from its own seed when read: no memory
+    per sample, and sample ``i`` is the same in every epoch, worker and run.
 
-    Nothing is stored but the patterns, so the size (and the image size) costs no memory,
-    and sample ``i`` is the same in every epoch, worker and run.
-
-    Args:
-        patterns: ``[num_classes, 3, height, width]`` class patterns of unit variance.
-        size: number of samples.
-        noise: noise standard deviation relative to the patterns'.
-        max_shift: largest shift in pixels along each axis.
-        seed: selects the samples; different seeds give disjoint streams.
+    ``patterns`` is ``[num_classes, 3, height, width]`` of unit variance; ``noise`` a standard
+    deviation relative to theirs; ``max_shift`` in pixels per axis; each ``seed`` its own stream.
     """
 
     def __init__(self, patterns: torch.Tensor, size: int, noise: float, max_shift: int, seed: int):
@@ -279,24 +258,20 @@ class SyntheticImages(Dataset):
 class SyntheticImageDataModule(SplitDataModule):
     """Generated images a small network learns within a few epochs: no files, no network.
 
-    Each class has a smooth random colour pattern; a sample is its class pattern shifted by
-    a few pixels, scaled in contrast and buried in Gaussian noise, so the classes are only
-    separable by learning shift-tolerant features. Everything comes from ``seed``: two runs
-    see the same images. Samples are generated when read, so large ``image_size`` and
-    ``train_size`` (ImageNet shapes, for memory measurements) cost no memory.
+    A sample is its class's smooth random pattern shifted by a few pixels, scaled in contrast and
+    buried in Gaussian noise, so only shift-tolerant features separate the classes. Everything
+    comes from ``seed``; samples are generated when read, so ImageNet shapes cost no memory.
 
     Args:
         num_classes: number of classes (and patterns).
         image_size: height and width of the square images.
         train_size: training images.
         val_size: validation images (also used for testing).
-        noise: standard deviation of the added noise relative to the patterns' (which is
-            1); the sum is rescaled to unit variance. Above 1, single pixels say little
-            and only features pooled over the image separate the classes.
+        noise: standard deviation of the added noise relative to the patterns' (1); the sum is
+            rescaled to unit variance. Above 1, only features pooled over the image separate classes.
         max_shift: largest shift in pixels, each axis, wrapping around the border.
         batch_size: images per batch.
-        num_workers: data loader worker processes; ``None``: one per available CPU core,
-            less one.
+        num_workers: data loader worker processes; ``None``: one per available CPU core, less one.
         seed: seeds the patterns and the samples.
     """
 

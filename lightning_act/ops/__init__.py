@@ -1,17 +1,11 @@
 """The library's tensor ops: typed wrappers over ``torch.ops.lightning_act``.
 
-Laid out by role:
-
-* :mod:`~lightning_act.ops.schemas` declares every op once, with its fake (shapes only,
-  for ``torch.compile`` and meta tensors);
-* :mod:`~lightning_act.ops.reference` is the pure-PyTorch implementation of every op,
-  registered for every device, and the oracle the kernels are tested against bit for bit;
-* ``csrc/`` holds the fused C++ (CPU) and CUDA kernels, one op family per file, which
-  :mod:`~lightning_act.ops.extension` builds with ninja on first use; they register for
-  their device, overriding the reference there. If a build fails, one warning is issued
-  and the reference keeps working;
-* :mod:`~lightning_act.ops.validation` holds every argument check, and
-  :mod:`~lightning_act.ops.layout` every layout rule (groups, tiles, bit fields).
+* :mod:`~lightning_act.ops.schemas`: every op's schema and fake (for ``torch.compile`` and meta tensors);
+* :mod:`~lightning_act.ops.reference`: the pure-PyTorch implementation for every device, and the
+  bit-exact oracle for the kernels;
+* ``csrc/``: fused C++ and CUDA kernels, built on first use by :mod:`~lightning_act.ops.extension` and
+  overriding the reference on their device (a failed build warns once and keeps the reference);
+* :mod:`~lightning_act.ops.validation`: argument checks; :mod:`~lightning_act.ops.layout`: layout rules.
 """
 
 from __future__ import annotations
@@ -47,20 +41,18 @@ def quantize_pack(
     """Quantize a contiguous float tensor to ``bits`` per value with stochastic rounding.
 
     Args:
-        x: float32, float16 or bfloat16, contiguous, any shape (read in memory order, or
-            with ``column_major`` column by column over its last two axes: groups then run
-            along the second-to-last axis).
+        x: float32, float16 or bfloat16, contiguous, any shape.
         bits: one of :data:`SUPPORTED_BITS`.
         group_size: values sharing one (low, step) pair; a power of two in [8, 65536].
         seed: selects the rounding noise (0 <= seed < 2**63); equal seeds give equal codes.
-        column_major: read ``x`` (at least 2-D) in the order of ``x.transpose(-2, -1)``.
+        column_major: read ``x`` (at least 2-D) as ``x.transpose(-2, -1)``: groups run down columns.
 
     Returns:
-        ``(codes, stats)``: packed uint8 codes and bfloat16 ``[groups, 2]`` statistics; the
-        format is described in :mod:`lightning_act.ops.reference`.
+        ``(codes, stats)``: packed uint8 codes and bfloat16 ``[groups, 2]`` statistics
+        (format: :mod:`lightning_act.ops.reference`).
 
     Raises:
-        RuntimeError: an argument is out of range; the message names it and what is allowed.
+        RuntimeError: an argument is out of range; the message says what is allowed.
     """
     ensure_kernels(x.device)
     return torch.ops.lightning_act.quantize_pack(x, bits, group_size, seed, column_major)
@@ -79,14 +71,11 @@ def unpack_dequantize(
     """Decode :func:`quantize_pack`'s output.
 
     Args:
-        codes: the packed codes.
-        stats: the ``[groups, 2]`` statistics.
-        bits: the bits they were packed with.
-        group_size: the group size they were packed with.
+        codes, stats, bits, group_size: as packed.
         numel: values to decode, at most ``groups * group_size``.
         dtype: float32, float16 or bfloat16.
-        rows, columns: for a ``column_major`` pack, the shape of its matrices (the input's
-            last two sizes); the values are then returned in the input's memory order.
+        rows, columns: for a ``column_major`` pack, the input's last two sizes (values come back in
+            the input's memory order).
 
     Returns:
         A new 1-D tensor of ``numel`` values of ``dtype``.
@@ -99,12 +88,9 @@ def unpack_dequantize(
 
 
 def group_levels(stats: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """The values each group's codes decode to: ``[groups, 2**bits]`` of ``dtype``, entry
-    ``[g, c]`` being what :func:`unpack_dequantize` makes of code ``c`` in group ``g`` (the
-    kernel itself decodes them, so they match it bit for bit).
-
-    With :func:`lookup_levels`, a function of the decoded values costs one evaluation per
-    level instead of one per value: ``lookup_levels(codes, f(group_levels(...)), ...)``.
+    """``[groups, 2**bits]`` of ``dtype``: entry ``[g, c]`` is what :func:`unpack_dequantize` decodes code ``c``
+    of group ``g`` to, bit for bit. With :func:`lookup_levels`, ``f`` of the decoded values costs one
+    evaluation per level instead of per value: ``lookup_levels(codes, f(group_levels(...)), ...)``.
     """
     one_group, width = every_code(bits, stats.device)
     groups = stats.shape[0]
@@ -113,9 +99,8 @@ def group_levels(stats: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Te
 
 
 def every_code(bits: int, device: torch.device | str) -> tuple[torch.Tensor, int]:
-    """One group's packed codes holding every code of ``bits`` bits in order (``0 .. 2**bits -
-    1``, then again up to a valid group size), and that size: what :func:`group_levels`
-    decodes with each group's stats."""
+    """One group's packed codes cycling through ``0 .. 2**bits - 1`` (up to a valid group size), and that
+    size: what :func:`group_levels` decodes with each group's stats."""
     levels = 1 << bits
     width = max(levels, MIN_GROUP_SIZE)
     codes = torch.arange(width, device=device).remainder_(levels).to(torch.uint8)
@@ -123,12 +108,9 @@ def every_code(bits: int, device: torch.device | str) -> tuple[torch.Tensor, int
 
 
 def lookup_levels(codes: torch.Tensor, levels: torch.Tensor, bits: int, group_size: int, numel: int) -> torch.Tensor:
-    """Each of the first ``numel`` values of a memory-order :func:`quantize_pack` output read
-    from its group's row of ``levels`` by its code: ``levels[g, c]`` for a value of group
-    ``g`` with code ``c``, in one pass (1-D, of ``levels``' dtype).
-
-    ``levels`` is typically ``f(group_levels(stats, bits, dtype))``: a function of the
-    decoded values at one evaluation per level, not one per value.
+    """``levels[g, c]`` for each of the first ``numel`` values (group ``g``, code ``c``) of a memory-order
+    :func:`quantize_pack` output, in one pass (1-D, of ``levels``' dtype). ``levels`` is typically
+    ``f(group_levels(stats, bits, dtype))``.
 
     Raises:
         RuntimeError: codes, levels and the sizes do not fit together.
@@ -144,20 +126,17 @@ def division_pack(
 
     Args:
         x: float32, float16 or bfloat16, contiguous, ``[planes, height, width]``.
-        block_h: tile rows (>= 1).
-        block_w: tile columns (>= 1); 1 pools along the height axis only.
-        bits: bits per residual value, one of :data:`SUPPORTED_BITS`.
-        group_size: residual values sharing one (low, step) pair; a power of two in [8, 65536].
-        seed: selects the rounding noise (0 <= seed < 2**63); equal seeds give equal codes.
+        block_h, block_w: tile rows and columns (>= 1); ``block_w = 1`` pools along the height only.
+        bits, group_size, seed: the residual's, as for :func:`quantize_pack`.
         lfc_dtype: one of :data:`LFC_DTYPES`.
 
     Returns:
-        ``(lfc, codes, stats)``: ``lfc`` is ``[planes, tiles_h, tiles_w]`` of ``lfc_dtype``;
-        ``codes`` and ``stats`` are :func:`quantize_pack`'s output for the float32 residual.
-        The format is described in :mod:`lightning_act.ops.reference`.
+        ``(lfc, codes, stats)``: ``lfc`` is ``[planes, tiles_h, tiles_w]`` of ``lfc_dtype``; ``codes`` and
+        ``stats`` are :func:`quantize_pack`'s output for the float32 residual (format:
+        :mod:`lightning_act.ops.reference`).
 
     Raises:
-        RuntimeError: an argument is out of range; the message names it and what is allowed.
+        RuntimeError: an argument is out of range; the message says what is allowed.
     """
     ensure_kernels(x.device)
     return torch.ops.lightning_act.division_pack(x, block_h, block_w, bits, group_size, seed, lfc_dtype)
@@ -178,15 +157,9 @@ def division_unpack(
     """Decode :func:`division_pack`'s output.
 
     Args:
-        lfc: the ``[planes, tiles_h, tiles_w]`` tile means.
-        codes: the residual's packed codes.
-        stats: the residual's ``[groups, 2]`` statistics.
-        height: rows of each plane.
-        width: columns of each plane.
-        block_h: the tile rows it was packed with.
-        block_w: the tile columns it was packed with.
-        bits: the bits it was packed with.
-        group_size: the group size it was packed with.
+        lfc, codes, stats: :func:`division_pack`'s output.
+        height, width: the size of each plane.
+        block_h, block_w, bits, group_size: as packed.
         dtype: float32, float16 or bfloat16.
 
     Returns:

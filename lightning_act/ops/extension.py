@@ -1,32 +1,19 @@
 """Builds and loads the fused C++ (CPU) and CUDA kernels of :mod:`lightning_act.ops`.
 
-The kernels are compiled with ninja the first time an op runs on a device type, cached on
-disk, and register themselves with the dispatcher for that device, overriding the
-pure-PyTorch reference there. A build that fails costs one warning and nothing else: the
-reference computes the same bits, only slower. The sources are ``csrc/`` of a source
-checkout, shipped as ``lightning_act/_csrc`` in an installed package.
+The kernels are compiled with ninja the first time an op runs on a device type, cached on disk, and registered
+for that device, overriding the pure-PyTorch reference. A failed build warns once; the reference computes the
+same bits, only slower. Sources: ``csrc/`` of a checkout, ``lightning_act/_csrc`` when installed.
 
 Environment variables:
 
-* ``LIGHTNING_ACT_KERNELS``: ``auto`` (default) builds the kernels, ``reference`` never
-  builds them and uses the reference everywhere. It is read when a device type's kernels
-  are first needed.
-* ``LIGHTNING_ACT_BUILD_DIR``: root of the build cache, ``~/.cache/lightning_act`` by
-  default. Each build goes to a subfolder named after the torch version, the Python
-  version, the device type and a hash of the sources, the flags, the CUDA architectures and
-  the Python environment (``sys.prefix`` and torch's install folder) and the source folder,
-  so changing any of them triggers a fresh build instead of reusing a stale library, and two
-  virtual environments or checkouts never take turns rebuilding each other's kernels.
-* ``TORCH_CUDA_ARCH_LIST``: the CUDA architectures to build for, e.g. ``9.0``; by default
-  those of the visible GPUs.
+* ``LIGHTNING_ACT_KERNELS``: ``auto`` (default) builds the kernels, ``reference`` never does.
+* ``LIGHTNING_ACT_BUILD_DIR``: the build cache (default ``lightning_act`` under ``XDG_CACHE_HOME`` or
+  ``~/.cache``), one folder per torch and Python version, device type and hash of the sources, flags, CUDA
+  architectures, environment and source folder, so no stale build is reused and checkouts never collide.
+* ``TORCH_CUDA_ARCH_LIST``: CUDA architectures to build for (default: those of the visible GPUs).
 
-A build logs a warning when it starts and another with its duration when it is done;
-loading a cached build is silent.
-
-``python -m lightning_act.ops --build cuda`` (or ``cpu``) builds, links and loads one device
-type's kernels through the same function and flags as their first use, without running
-them; for ``cuda`` it needs nvcc (``CUDA_HOME``) but no GPU when ``TORCH_CUDA_ARCH_LIST`` is
-set. CI uses it to check the CUDA kernels on machines without GPUs.
+``python -m lightning_act.ops --build {cpu,cuda}`` builds and loads one device type's kernels as their first
+use does, without running them; ``cuda`` needs nvcc but no GPU when ``TORCH_CUDA_ARCH_LIST`` is set (CI).
 """
 
 from __future__ import annotations
@@ -99,15 +86,11 @@ _loaded: dict[str, bool] = {}
 
 
 def ensure_kernels(device: torch.device | str) -> None:
-    """Makes sure the fused kernels for ``device``'s type were built and loaded, once.
-
-    Called by every op before dispatching. The first call for ``cpu`` (or for ``cuda`` when
-    CUDA is available) builds the kernels, which can take a minute; later calls return at
-    once. Other device types have no fused kernels and use the reference.
+    """Builds and loads the fused kernels for ``device``'s type once (every op calls it before dispatching);
+    the first call for ``cpu`` or ``cuda`` can take a minute. Other device types use the reference.
 
     Raises:
-        ValueError: ``LIGHTNING_ACT_KERNELS`` holds a value other than ``auto`` or
-            ``reference``.
+        ValueError: ``LIGHTNING_ACT_KERNELS`` is neither ``auto`` nor ``reference``.
     """
     device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
     if device_type in _loaded:
@@ -118,11 +101,9 @@ def ensure_kernels(device: torch.device | str) -> None:
 
 
 def loaded_kernels() -> dict[str, bool]:
-    """Whether the fused kernels serve each device type.
+    """Whether the fused kernels serve each device type (``cpu`` and ``cuda`` always listed, others once used).
 
-    ``cpu`` and ``cuda`` are always listed, other device types once an op ran on them.
-    False means the reference serves that device type: the kernels were not needed yet,
-    have no build for it, are disabled, or failed to build (which warned).
+    False: the reference serves it (kernels not needed yet, not available, disabled, or failed to build).
     """
     return {"cpu": False, "cuda": False, **_loaded}
 
@@ -152,12 +133,8 @@ def _load(device_type: str) -> bool:
 
 
 def build_kernels(device_type: str) -> Path:
-    """Builds, links and loads the fused kernels of ``device_type``; returns the build folder.
-
-    This is what the first op on a device type runs, with the same sources, flags and cache,
-    so a build checked here is the build users get. Loading registers the kernels with the
-    dispatcher; it does not run them, so CUDA kernels can be built and loaded on a machine
-    without a GPU (with ``TORCH_CUDA_ARCH_LIST`` set), as CI does.
+    """Builds, links and loads the fused kernels of ``device_type`` exactly as the first op does; returns the
+    build folder. Loading only registers them, so CUDA kernels load without a GPU given ``TORCH_CUDA_ARCH_LIST``.
 
     Raises:
         ValueError: ``device_type`` has no fused kernels, or it is ``cuda``, no GPU is
@@ -209,11 +186,8 @@ def build_kernels(device_type: str) -> Path:
 def _exclusive_build(build_dir: Path):
     """Holds an OS lock on ``build_dir`` while torch builds or loads there.
 
-    torch releases before 2.14 guard a build with a plain ``lock`` file and wait, without
-    end, for whoever made it to delete it; a build that was killed (Ctrl-C, a timeout, an
-    OOM kill) never does, and every later run would hang. An OS lock dies with its process,
-    so once this process holds it no other build of this package is running in
-    ``build_dir``, and a ``lock`` file still there is such a leftover: it is removed.
+    torch before 2.14 guards a build with a plain ``lock`` file that a killed build leaves behind, hanging every
+    later run. An OS lock dies with its process, so once it is held a ``lock`` file still there is stale: removed.
     """
     if fcntl is None:
         yield
@@ -228,12 +202,8 @@ def _exclusive_build(build_dir: Path):
 
 
 def _cpp_extension():
-    """``torch.utils.cpp_extension``, imported on demand and without its CUDA notice.
-
-    Importing it looks for a CUDA toolkit and, on a machine without a GPU, logs "No CUDA
-    runtime is found, using CUDA_HOME=...": a false alarm when building the CPU kernels,
-    which need no CUDA, and no news when building CUDA kernels without a GPU on purpose.
-    """
+    """``torch.utils.cpp_extension``, imported on demand without its "No CUDA runtime is found" notice, a false
+    alarm for the CPU kernels and no news when building CUDA kernels without a GPU."""
     notice = logging.getLogger("torch.utils.cpp_extension")
 
     def not_the_cuda_notice(record: logging.LogRecord) -> bool:
@@ -251,8 +221,7 @@ def _build_flags(device_type: str) -> tuple[list[str], list[str], list[str]]:
     """(C++ flags, nvcc flags, linker flags) of one device type's extension."""
     if device_type == "cuda":
         return list(_HOST_FLAGS), list(_CUDA_FLAGS), _cuda_runtime_dirs()
-    # at::parallel_for is expanded in the extension itself: without the OpenMP flags torch
-    # was built with, it silently runs on one thread.
+    # at::parallel_for is expanded in the extension: without torch's OpenMP flags it runs on one thread.
     openmp = ["-fopenmp"] if "OpenMP" in torch.__config__.parallel_info() else []
     return _HOST_FLAGS + openmp, [], openmp
 
@@ -260,11 +229,8 @@ def _build_flags(device_type: str) -> tuple[list[str], list[str], list[str]]:
 def _cuda_runtime_dirs() -> list[str]:
     """Linker flags for the CUDA runtime of the toolkit whose nvcc torch compiles with.
 
-    torch takes the toolkit folder to be ``CUDA_HOME`` or, unset, two levels above the
-    ``nvcc`` on ``PATH``, and links ``-lcudart`` from there. Where that ``nvcc`` is a wrapper
-    script (``/usr/local/bin/nvcc`` running ``/usr/local/cuda-X/bin/nvcc``), the folder is
-    wrong and the link fails. nvcc reports its real folder in a dry run (``TOP=``); its
-    library folders are added so the link finds the runtime either way.
+    torch links ``-lcudart`` from ``CUDA_HOME`` or two levels above the ``nvcc`` on ``PATH``, which is wrong
+    where that ``nvcc`` is a wrapper script. nvcc's dry run reports its real folder (``TOP=``).
     """
     nvcc = Path(_cpp_extension()._join_cuda_home("bin", "nvcc"))
     try:
@@ -288,10 +254,8 @@ def _build_dir(device_type: str, sources: list[Path], flags: list[str]) -> Path:
     for path in sorted(sources + [_SOURCE_DIR / name for name in _HEADERS]):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
-    # The install, so that two environments with the same torch version keep their own
-    # builds; the source folder, since ninja's build file names the sources by absolute path
-    # (two checkouts sharing one folder would rebuild each other's kernels at every load);
-    # and, for CUDA, the architectures torch's build adds to the flags.
+    # The install (environments keep their own builds), the source folder (ninja names sources by absolute
+    # path) and, for CUDA, the architectures torch adds to the flags.
     environment = [*flags, sys.prefix, str(Path(torch.__file__).resolve().parent), str(_SOURCE_DIR.resolve())]
     if device_type == "cuda":
         environment.append(os.environ.get("TORCH_CUDA_ARCH_LIST") or _visible_architectures())
@@ -314,8 +278,7 @@ def _first_error_lines(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     if not lines:
         return repr(error)
-    # torch's first line is "Error building extension '...': " followed by ninja's echo of
-    # the whole compiler command; the command is noise here.
+    # torch's first line ends with ninja's echo of the whole compiler command: noise here.
     headline = lines[0].split(": [", 1)[0]
     diagnostics = [line for line in lines[1:] if "error" in line.lower() and not line.startswith(("[", "FAILED"))]
     kept = [headline, *diagnostics][:_ERROR_LINES] if diagnostics else lines[:_ERROR_LINES]

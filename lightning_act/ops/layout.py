@@ -1,18 +1,12 @@
-"""Where values sit in storage: groups, tiles and bit fields.
+"""Where values sit in storage: groups, tiles and bit fields, shared by the reference, the fakes and the codecs.
 
-Shared by the reference implementations, the fakes (which size outputs) and the lossless
-codecs, so each layout rule is written once.
+Codes narrower than a byte are packed ``k = 8 // bits`` to a byte, code ``j`` of a byte at bit offset
+``j * bits``, in one of two orders:
 
-Codes narrower than a byte are packed ``8 // bits`` to a byte, code ``j`` of a byte at bit
-offset ``j * bits``, in one of two orders:
-
-* *interleaved*: byte ``i`` holds codes ``8 // bits * i`` onwards, consecutive ones. The
-  quantizer's format (the kernels write a group's bytes from its consecutive values);
-* *planar*: for ``n`` codes padded to ``k * m`` (``k = 8 // bits``, ``m = ceil(n / k)``),
-  byte ``i`` holds codes ``i, i + m, ..., i + (k - 1) * m``. In PyTorch every field is then
-  a contiguous slice, which vectorizes: on one CPU core a 4-million-value mask packs in
-  about 0.3 ms and unpacks in about 0.4 ms this way, and took 10-12 ms each way interleaved.
-  The lossless codecs, which pack with PyTorch alone, use it.
+* *interleaved*: byte ``i`` holds codes ``k * i`` onwards, consecutive ones (the quantizer's format);
+* *planar*: for ``n`` codes padded to ``k * m`` (``m = ceil(n / k)``), byte ``i`` holds codes
+  ``i, i + m, ..., i + (k - 1) * m``. Every field is then a contiguous slice, which PyTorch vectorizes,
+  so the lossless codecs, which pack with PyTorch alone, use it.
 """
 
 from __future__ import annotations
@@ -38,11 +32,8 @@ def _fields(codes: torch.Tensor, per_byte: int, planar: bool) -> torch.Tensor:
 
 
 def pack_bit_fields(codes: torch.Tensor, bits: int, planar: bool) -> torch.Tensor:
-    """Packs a 1-D uint8 tensor of codes below ``2**bits`` (bits 1, 2, 4 or 8).
-
-    Interleaved packing needs a multiple of ``8 // bits`` codes; planar packing pads with
-    zero codes.
-    """
+    """Packs a 1-D uint8 tensor of codes below ``2**bits`` (bits 1, 2, 4 or 8). Interleaved packing needs a
+    multiple of ``8 // bits`` codes; planar packing pads with zero codes."""
     if bits == 8:
         return codes
     per_byte = 8 // bits

@@ -1,69 +1,41 @@
 """Pure-PyTorch implementation of every op of :mod:`lightning_act.ops.schemas`.
 
-It is registered as the default implementation on every device, so the library works
-wherever torch does, and it is the oracle the C++ and CUDA kernels in ``csrc/`` are tested
-against *bit for bit*: the rounding noise comes from a counter-based hash of (seed, element
-index) instead of a stateful generator, and every floating-point step is a single IEEE
-operation, so the kernels can reproduce it exactly.
+Registered for every device, and the oracle the ``csrc/`` kernels are tested against *bit for bit*: the
+rounding noise is a counter-based hash of (seed, element index), and every floating-point step is a single
+IEEE operation.
 
-Storage format of ``quantize_pack`` (shared with ``csrc/quant_math.h``):
+Format of ``quantize_pack`` (shared with ``csrc/quant_math.h``):
 
-* the flattened input is split into groups of ``group_size`` consecutive values (the last
-  group is padded; padding codes are 0);
-* ``stats[g] = (low, step)`` in bfloat16. ``low`` is rounded down and ``step`` up from their
-  float32 values, so every value of the group lies inside ``[low, low + levels * step]`` and
-  stochastic rounding stays unbiased. bfloat16 rather than float16 because it has float32's
-  range;
-* a *plain* group encodes ``x`` as ``floor((x - low) / step + u)``, ``u ~ U[0, 1)``, codes
-  ``0 .. 2**bits - 1``;
-* a *zero-preserving* group (``bits >= 2``, no negative value and at least one exact zero,
-  e.g. a ReLU output) reserves code 0 for exact zeros and spreads codes ``1 .. 2**bits - 1``
-  over ``[smallest positive value, max]``. Zeros stay zeros and positives stay positive, so
-  an op that later uses the sign of the tensor (ReLU's backward, ``x > 0`` masks) sees
-  exactly the mask it saw in forward, while values stay unbiased. Its ``step`` is stored
-  with the sign bit set, which is how ``unpack_dequantize`` recognises it;
-* a group holding NaN or Inf (or spanning more than float32 can represent) stores NaN
-  statistics: it decodes to NaN, so a non-finite activation can never turn into a finite,
-  silently wrong gradient. Such groups are counted
-  by the caller (``count_nonfinite_groups``).
-* ``column_major``: the input, seen as matrices over its last two axes, is read column by
-  column, i.e. in the order of ``input.transpose(-2, -1).contiguous()``, so a group runs down
-  a column. An activation of shape ``(..., tokens, features)`` then shares a range per
-  feature rather than per token: a feature whose values are much larger than the others'
-  (transformers have a few) widens only its own groups. ``unpack_dequantize`` given the
-  matrices' ``rows`` and ``columns`` writes the values back in row-major memory order;
-* codes are bit-packed little-endian: value ``i`` of the sequence read sits in byte
-  ``i * bits // 8`` at bit offset ``i * bits % 8`` (the interleaved order of
-  :mod:`lightning_act.ops.layout`).
+* the flattened input is cut into groups of ``group_size`` values (the last padded with code 0);
+* ``stats[g] = (low, step)`` in bfloat16 (float32's range), ``low`` rounded down and ``step`` up, so every
+  value lies inside ``[low, low + levels * step]`` and stochastic rounding stays unbiased;
+* a *plain* group encodes ``x`` as ``floor((x - low) / step + u)``, ``u ~ U[0, 1)``, codes ``0 .. 2**bits - 1``;
+* a *zero-preserving* group (``bits >= 2``, no negative value, at least one exact zero, e.g. a ReLU output)
+  reserves code 0 for exact zeros and spreads codes ``1 .. 2**bits - 1`` over ``[smallest positive, max]``:
+  a sign mask read in backward stays exact and values stay unbiased. Its ``step`` has the sign bit set;
+* a group holding NaN or Inf (or spanning more than float32 holds) stores NaN statistics and decodes to NaN,
+  never to a finite, wrong gradient (``count_nonfinite_groups`` counts them);
+* ``column_major``: matrices over the last two axes are read column by column (the order of
+  ``input.transpose(-2, -1)``), so for a ``(..., tokens, features)`` activation a group spans one feature
+  and an outlier feature widens only its own groups; ``unpack_dequantize`` given ``rows`` and ``columns``
+  writes the values back in memory order;
+* codes are bit-packed little-endian, value ``i`` in byte ``i * bits // 8`` at bit ``i * bits % 8`` (the
+  interleaved order of :mod:`lightning_act.ops.layout`).
 
-A map is read as ``planes`` independent ``height x width`` planes (``N * C`` planes of a
-convolution activation; for a ``(N, T, D)`` sequence activation, ``N`` planes of ``T x D``
-with one-column tiles, so only the sequence axis is pooled). Each plane is cut into tiles of
-``block_h x block_w``; tiles on the bottom and right edges hold only the rows and columns
-the plane really has.
+Format of ``division_pack`` (shared with ``csrc/division.h``): the input is ``planes`` independent
+``height x width`` planes (``N * C`` for a convolution activation; ``N`` planes of ``T x D`` with one-column
+tiles for a sequence), cut into ``block_h x block_w`` tiles; edge tiles hold only the pixels the plane has.
 
-Storage format of ``division_pack`` (shared with ``csrc/division.h``), DIVISION's
-low-frequency component (LFC) plus a quantized residual:
+* ``lfc[p, i, j]``: tile ``(i, j)``'s mean over its real pixels, rounded to nearest even in ``lfc_dtype``;
+  the float32 sum runs row by row, left to right, from +0.0, and is divided once by the pixel count (the
+  order is part of the format);
+* ``hfc = x - upsample(lfc)`` in float32 against the *rounded* LFC (so its rounding error moves into the
+  residual instead of biasing the result), stored exactly as :func:`quantize_pack` stores a float32 tensor;
+* ``division_unpack`` returns ``upsample(lfc) + dequantize(hfc)`` (one float32 addition) in the requested
+  dtype: an unbiased estimate of ``x``.
 
-* ``lfc[p, i, j]``: the mean of tile ``(i, j)`` of plane ``p`` over its *real* pixels,
-  rounded (to nearest even) to ``lfc_dtype``. The sum runs in float32 in a fixed order, row
-  by row and left to right within the tile, starting from +0.0, and is divided once by the
-  tile's pixel count; that order is part of the format, so the kernels reproduce the
-  reference bit for bit;
-* ``hfc = x - upsample(lfc)``, computed in float32 against the *rounded* LFC (so the LFC's
-  rounding error moves into the residual instead of biasing the result), stored exactly
-  as :func:`quantize_pack` stores a float32 tensor: the same groups of
-  ``group_size`` consecutive values in memory order, the same statistics, the same noise
-  stream of ``seed``;
-* ``division_unpack`` returns ``upsample(lfc) + dequantize(hfc)`` (one float32 addition)
-  converted to the requested dtype. Stochastic rounding of the residual is unbiased, so
-  the decoded tensor is an unbiased estimate of ``x``.
-
-A tile holding NaN or Inf has a non-finite mean, which makes every residual of the tile
-non-finite and every group touching it a NaN group (counted by ``count_nonfinite_groups``):
-a non-finite activation decodes to NaN, never to a finite, wrong value. The same holds for
-a finite tile whose float32 sum overflows (values near 3e38), and for a ``float16`` LFC of a
-mean beyond 65504: use the default ``bfloat16`` (float32's range) for such data.
+A non-finite tile (NaN or Inf, a float32 sum that overflows, or a ``float16`` mean beyond 65504) makes every
+group touching it a NaN group, so it decodes to NaN, never to a finite, wrong value.
 """
 
 from __future__ import annotations
@@ -195,12 +167,10 @@ def _quantize_chunk(x: torch.Tensor, bits: int, group_size: int, seed: int, star
 
 
 def rounding_variance(values: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """The expected squared error :func:`quantize_pack` at ``bits`` puts into the whole groups
-    of ``values`` (1-D, in the order they are grouped; a ragged tail is left out), summed:
-    a value ``f`` of a step above a grid point decodes one step up with probability ``f``,
-    so its variance is ``step**2 f (1 - f)``. Values on the grid (a group's ends, a
-    zero-preserving group's zeros, a group of a few distinct values) cost nothing, which the
-    groups' ranges alone do not tell. NaN when a group holds NaN or Inf."""
+    """The summed expected squared error :func:`quantize_pack` at ``bits`` puts into the whole groups of
+    ``values`` (1-D, in grouping order; a ragged tail is left out): a value ``f`` of a step above a grid point
+    has variance ``step**2 f (1 - f)``, so values on the grid cost nothing, which the groups' ranges alone do
+    not tell. NaN when a group holds NaN or Inf."""
     whole = values.numel() // group_size * group_size
     total = torch.zeros((), dtype=torch.float32, device=values.device)
     for start in range(0, whole, _CHUNK):
@@ -217,18 +187,9 @@ def rounding_variance(values: torch.Tensor, bits: int, group_size: int) -> torch
 def quantize_pack(
     x: torch.Tensor, bits: int, group_size: int, seed: int, column_major: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize and bit-pack a floating-point tensor (any shape, read in memory order, or
-    column by column over its last two axes with ``column_major``).
+    """Quantize and bit-pack a float tensor (the format above; arguments as :func:`lightning_act.ops.quantize_pack`).
 
-    Args:
-        x: float32, float16 or bfloat16 tensor, contiguous.
-        bits: bits per value, one of 1, 2, 4, 8.
-        group_size: values per group (power of two, 8 to 65536).
-        seed: selects the rounding noise; the same seed gives the same codes.
-        column_major: read ``x`` (at least 2-D) in the order of ``x.transpose(-2, -1)``.
-
-    Returns:
-        ``codes``: uint8 ``[groups * group_size * bits // 8]``; ``stats``: bfloat16 ``[groups, 2]``.
+    Returns ``codes``, uint8 ``[groups * group_size * bits // 8]``, and ``stats``, bfloat16 ``[groups, 2]``.
     """
     validation.check_quantize_pack(x, bits, group_size, column_major)
     flat = (x.transpose(-2, -1) if column_major else x).reshape(-1)
@@ -276,11 +237,9 @@ def unpack_dequantize(
 
 
 def lookup_levels(codes: torch.Tensor, levels: torch.Tensor, bits: int, group_size: int, numel: int) -> torch.Tensor:
-    """Each of the first ``numel`` values of a memory-order :func:`quantize_pack` output read
-    from its group's row of ``levels`` (``[groups, 2**bits]``) by its code: 1-D, of
-    ``levels``' dtype. In chunks, so that the int64 positions it gathers by (8 bytes a value
-    of a chunk: a sixteenth of the tensor, at least 128K values) stay a fraction of the
-    result."""
+    """``levels[g, c]`` for each of the first ``numel`` values (group ``g``, code ``c``) of a memory-order
+    :func:`quantize_pack` output. In chunks of a sixteenth of the tensor (at least ``_MIN_LOOKUP_CHUNK``
+    values), so the int64 gather positions stay a fraction of the result."""
     validation.check_lookup_levels(codes, levels, bits, group_size, numel)
     table = levels.view(-1)
     looked_up = torch.empty(numel, dtype=levels.dtype, device=levels.device)

@@ -1,10 +1,8 @@
-"""The schemas of every op of the ``lightning_act`` library, each with its fake.
+"""The schema of every op of the ``lightning_act`` library, each with its fake.
 
-Declared once here; implementations register elsewhere: the pure-PyTorch reference
-(:mod:`lightning_act.ops.reference`) for every device, the fused kernels of ``csrc/`` for
-their own device (:mod:`lightning_act.ops.extension`). A fake checks the arguments as the
-implementations do and returns empty outputs of the right shapes, for ``torch.compile`` and
-meta tensors.
+Implementations register elsewhere (:mod:`~lightning_act.ops.reference` for every device, the ``csrc/``
+kernels for theirs). A fake checks the arguments as the implementations do and returns empty outputs of the
+right shapes, for ``torch.compile`` and meta tensors.
 """
 
 from __future__ import annotations

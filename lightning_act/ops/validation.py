@@ -1,13 +1,10 @@
-"""Every argument check of :mod:`lightning_act.ops`, in one place.
+"""Every argument check of :mod:`lightning_act.ops`.
 
-Two kinds of caller, two kinds of error, one rule each:
-
-* settings a user chooses (``bits``, ``group_size``, a codec's ``lfc_dtype``) are checked
-  when a config or codec is built, and raise :class:`ValueError`;
-* the op's arguments are checked by the reference implementations and the fakes with
-  ``torch._check``, which raises :class:`RuntimeError` like the C++ and CUDA kernels'
-  ``TORCH_CHECK`` (``csrc/quant_args.h``, ``csrc/division.h``) that mirror these rules: every
-  device rejects the same inputs, with messages naming the bad value and what is allowed.
+* Settings a user chooses (``bits``, ``group_size``, a codec's ``lfc_dtype``) are checked when a config or
+  codec is built, and raise :class:`ValueError`.
+* Op arguments are checked by the reference and the fakes with ``torch._check`` (:class:`RuntimeError`),
+  mirroring the kernels' ``TORCH_CHECK`` (``csrc/quant_args.h``, ``csrc/division.h``), so every device
+  rejects the same inputs with the same messages.
 """
 
 from __future__ import annotations
@@ -109,9 +106,8 @@ def check_unpack_dequantize(
     rows: int = 0,
     columns: int = 0,
 ) -> None:
-    """Checks ``unpack_dequantize``'s arguments: codes and stats against each other and ``numel``,
-    and the matrices of a column-major pack (``rows`` and ``columns`` both 0, or both
-    positive and dividing ``numel`` into whole matrices)."""
+    """Checks ``unpack_dequantize``'s arguments (``rows`` and ``columns``: both 0, or both positive and
+    dividing ``numel`` into whole matrices)."""
     _check_quant_op_args(op, bits, group_size)
     _check(codes.dtype == torch.uint8, op, f"codes dtype is {codes.dtype}; allowed: torch.uint8")
     _check_contiguous(op, "codes", codes)
@@ -142,8 +138,7 @@ def check_unpack_dequantize(
 
 
 def check_lookup_levels(codes: torch.Tensor, levels: torch.Tensor, bits: int, group_size: int, numel: int) -> None:
-    """Checks ``lookup_levels``'s arguments: a memory-order pack's codes, a ``[groups,
-    2**bits]`` float table, and ``numel`` within the groups."""
+    """Checks ``lookup_levels``'s arguments: codes, a ``[groups, 2**bits]`` float table, ``numel``."""
     op = "lookup_levels"
     _check_quant_op_args(op, bits, group_size)
     _check(codes.dtype == torch.uint8, op, f"codes dtype is {codes.dtype}; allowed: torch.uint8")

@@ -1,12 +1,9 @@
 """The bit allocation problem: minimise the estimated gradient variance under a byte budget.
 
-The noise that stochastic rounding adds to different tensors is independent, so the
-gradient variance is the sum of what each tensor adds at its bit width, ``v_i(b_i)``
-(``c_i * S(b)`` with ``S(b) = 1 / (2**b - 1)**2`` for a plain quantizer; the estimators
-measure or model ``v_i`` per bit width, see :mod:`lightning_act.policy.estimators`). The budget
-counts real bytes: ``b`` bits per value plus 32 bits of statistics per group, or the
-original element size for a tensor kept exact: a multiple-choice knapsack, see
-:func:`allocate_bits`.
+Stochastic rounding noise of different tensors is independent, so the gradient variance is the sum of each
+tensor's ``v_i(b_i)`` (``c_i * S(b)`` with ``S(b) = 1 / (2**b - 1)**2`` for a plain quantizer; see
+:mod:`lightning_act.policy.estimators`). The budget counts real bytes (``b`` bits per value plus 32 bits of
+statistics per group, or the element size for an exact tensor): a multiple-choice knapsack.
 """
 
 from __future__ import annotations
@@ -41,25 +38,22 @@ def allocate_bits(
     """Bits per tensor that minimise the summed gradient variance at an average of bits.
 
     Args:
-        variance: per tensor key, the estimated gradient variance it adds at each bit
-            width (keys 1, 2, 4, 8); a tensor without an estimate counts as insensitive, and
-            a tensor kept exact adds none.
-        sizes: ``(numel, groups, element_bits)`` per tensor key; these are allocated.
-        budget_bits: average code bits per value; the allowed total is what every tensor
-            would occupy at this many bits, or at its floor where that is higher,
-            statistics included (fractional allowed): what uniform bits would store.
+        variance: per tensor key, the gradient variance it adds at each bit width (1, 2, 4, 8); a
+            tensor without an estimate counts as insensitive, an exact one adds none.
+        sizes: ``(numel, groups, element_bits)`` per tensor key to allocate.
+        budget_bits: average code bits per value (fractional allowed): the total allowed is what
+            uniform quantization at these bits (or each tensor's floor, where higher) would store.
         candidates: the allowed choices, bit widths and/or ``None`` for "keep exact".
         floors: per key, the fewest bits it may get (its narrower candidates are skipped).
 
     Returns:
-        The chosen bits (or ``None``) per key of ``sizes``.
+        ``{key: bits or None}`` for every key of ``sizes``.
     """
     return allocate_storage(variance, sizes, uniform_storage(sizes, budget_bits, floors or {}), candidates, floors)
 
 
 def uniform_storage(sizes: Mapping[str, tuple[int, int, int]], bits: float, floors: Mapping[str, int]) -> float:
-    """Bits the tensors of ``sizes`` occupy at ``bits`` per value (or their floor where higher),
-    statistics included: what uniform quantization at ``bits`` stores."""
+    """Bits uniform quantization at ``bits`` (or each tensor's floor, where higher) stores, statistics included."""
     return sum(n * max(bits, floors.get(k, 1)) + g * STATS_BITS_PER_GROUP for k, (n, g, _) in sizes.items())
 
 
@@ -70,9 +64,8 @@ def allocate_storage(
     candidates: Sequence[int | None],
     floors: Mapping[str, int] | None = None,
 ) -> dict[str, int | None]:
-    """Bits per tensor that minimise the summed gradient variance within ``allowed`` bits of
-    storage in all (the arguments as :func:`allocate_bits`'s). Where even every tensor's
-    cheapest choice is over, each gets its cheapest."""
+    """Bits per tensor that minimise the summed gradient variance within ``allowed`` bits of storage (other
+    arguments as :func:`allocate_bits`'s); each tensor's cheapest choice where even those are over."""
     keys = list(sizes)
     if not keys:
         return {}
@@ -90,11 +83,9 @@ def allocate_storage(
         )
     if sum(options[k][0][0] for k in keys) >= allowed:
         return {k: options[k][0][2] for k in keys}
-    # A multiple-choice knapsack, solved by dynamic programming over the budget cut into
-    # _BUDGET_UNITS units. Greedy and price-only (Lagrangian) solutions fail on it: identical
-    # tensors flip all at once, and a cheap upgrade can use up the slack a valuable one
-    # needed. Costs are rounded down to whole units, so the true cost of the answer may
-    # overshoot by up to one unit per tensor: then the capacity shrinks and it is solved again.
+    # Dynamic programming over the budget in _BUDGET_UNITS units: greedy and Lagrangian solutions flip identical
+    # tensors all at once and let a cheap upgrade use up the slack a valuable one needed. Costs are rounded
+    # down to whole units, so an answer may overshoot by a unit per tensor: then shrink the capacity and retry.
     unit = allowed / _BUDGET_UNITS
     capacity = _BUDGET_UNITS
     while True:
@@ -113,8 +104,7 @@ def _knapsack(keys, options, unit: float, capacity: int) -> tuple[dict[str, int 
             width = int(cost // unit)
             if width <= capacity:
                 table[j, width:] = best[: capacity + 1 - width] + var
-        # The first least option per capacity, as argmin(axis=0) would pick it, in under half
-        # its time: numpy's argmin down the columns of a few rows is slow.
+        # The first least option per capacity, as argmin(axis=0) picks it, which is slow over a few rows.
         best = table.min(axis=0)
         pick = np.zeros(capacity + 1, dtype=np.int8)
         for j in range(len(table) - 1, -1, -1):

@@ -1,9 +1,8 @@
-"""Bit policies: the answer to "how many bits does this saved tensor get?".
+"""Bit policies: how many bits each saved tensor gets.
 
-A saved tensor is identified by its *slot*: the qualified name of the module that saved it
-and its position among the tensors that module saved in one forward (``layer1.0.conv1#0``).
-Slots are stable from step to step for a fixed graph; a slot first seen later simply gets
-the policy's default until the next recalibration includes it.
+A saved tensor is identified by its *slot*: the qualified name of the module that saved it and its position
+among that module's saves in one forward (``layer1.0.conv1#0``). A slot first seen later gets the policy's
+default until the next recalibration includes it.
 """
 
 from __future__ import annotations
@@ -49,9 +48,9 @@ class SlotInfo:
     element_bits: int
     #: The torch function that saved it (``"conv2d"``, ``"relu"``), None if unknown.
     op: str | None = None
-    #: The fewest bits it may get: 2 for a ReLU output, whose zeros must stay exact; 8 for
-    #: what backward puts through a softmax (softmax outputs, log-probabilities, attention's
-    #: query and key), where noise turns into bias.
+    #: The fewest bits it may get: 2 for a ReLU output, whose zeros must stay exact; 8 for what backward puts
+    #: through a softmax (softmax outputs, log-probabilities, attention's query and key), where noise turns
+    #: into bias.
     min_bits: int = 1
 
 
@@ -89,12 +88,11 @@ class SaveRules:
     """Overrides by module and by op: ``{"conv1": 8, "fc": "exact", "layer4.*": "division",
     "op:scaled_dot_product_attention": "quant:8"}``.
 
-    A key is a shell-style (``fnmatch``) pattern matched against the qualified name of the
-    innermost module that saved the tensor, or, after ``op:``, against the name of the torch
-    function that saved it (``conv2d``, ``linear``, ``layer_norm``, ``gelu``, ``softmax``;
-    see :mod:`lightning_act.optrack`). A value pins the bits (1, 2, 4, 8 or ``"exact"``),
-    the codec (``"quant"``, ``"division"``, ``"pool"``) or both (``"division:4"``). The
-    first matching key wins.
+    A key is an ``fnmatch`` pattern for the qualified name of the innermost module that saved
+    the tensor or, after ``op:``, for the torch function that saved it (``conv2d``, ``linear``,
+    ``softmax``, ...; see :mod:`lightning_act.optrack`). A value pins the bits (1, 2, 4, 8 or
+    ``"exact"``), the codec (``"quant"``, ``"division"``, ``"pool"``) or both (``"division:4"``).
+    The first matching key wins.
 
     Raises:
         ValueError: a value is none of these; the message names the key.
@@ -119,8 +117,7 @@ class SaveRules:
         """The first rule matching ``module`` or ``op``, or None."""
         key = (module, op)
         if key not in self._cache:
-            # Once per (module, op): every key that matches is noted, so that a key matching
-            # nothing (a typo) can be reported.
+            # Note every matching key, so that a key matching nothing (a typo) can be reported.
             hits = [
                 i for i, (on_op, pattern, _) in enumerate(self._parsed) if _matches(pattern, op if on_op else module)
             ]
@@ -130,16 +127,8 @@ class SaveRules:
         return self._cache[key]
 
     def warn_unmatched(self, module_names: Iterable[str], op_names: Iterable[str] = ()) -> list[str]:
-        """Warn once per key that matched no lookup so far, naming the nearest module names
-        (or, for an ``op:`` key, the nearest op names).
-
-        Args:
-            module_names: the model's qualified module names, to suggest from.
-            op_names: the ops seen saving tensors, to suggest from.
-
-        Returns:
-            The keys warned about by this call.
-        """
+        """Warn once per key that matched no lookup so far, suggesting the nearest of ``module_names`` (or, for
+        an ``op:`` key, of ``op_names``); returns the keys warned about."""
         unmatched = [key for key in self.rules if key not in self.matched and key not in self._warned]
         if not unmatched:
             return []
@@ -179,11 +168,9 @@ class BitPolicy(ABC):
         self._instance = next(BitPolicy._instances)
 
     def choices_state(self) -> object:
-        """What the policy's choices depend on, besides its rules: compiled graphs planned
-        under one state are reused under an equal one. A policy this library does not know
-        chooses by code it cannot read, so only the same instance is the same state (two
-        instances of one subclass with different choices ran each other's graphs); a policy
-        that changes its choices in place must return what changed."""
+        """What the choices depend on besides the rules: graphs compiled under one state are reused under an
+        equal one. For an unknown subclass only the same instance counts as the same state; a policy that
+        changes its choices in place must return what changed."""
         return "instance", type(self).__qualname__, getattr(self, "_instance", id(self))
 
     def bits_for(self, slot: str, info: SlotInfo) -> int | None:
@@ -215,13 +202,12 @@ class FixedBits(BitPolicy):
 
 
 class AllocatedBits(BitPolicy):
-    """Per-tensor bits (1, 2, 4, 8 or exact) that minimise the estimated gradient variance
-    within an allowance of storage; subclasses say how large the allowance is.
+    """Per-tensor bits (1, 2, 4, 8 or exact) that minimise the estimated gradient variance within an allowance
+    of storage, which subclasses set (:meth:`allowance`).
 
     Args:
         candidates: the choices, from 1, 2, 4, 8 and "exact".
-        rules: per-module and per-op overrides (:class:`SaveRules`); pinned bits are outside
-            the allowance.
+        rules: per-module and per-op overrides (:class:`SaveRules`), outside the allowance.
         default_bits: the bits of a slot before the first allocation includes it.
 
     Raises:
@@ -233,22 +219,19 @@ class AllocatedBits(BitPolicy):
         self.candidates = [parse_bits(c, "candidates") for c in candidates]
         self.default_bits = default_bits
         self.assignment: dict[str, int | None] = {}
-        # The floors of the slots the last update allocated: what the default gives them.
+        # The floors of the slots the last update allocated.
         self._floors: dict[str, int] = {}
 
     def choose(self, slot: str) -> int | None:
         return self.assignment.get(slot, self.default_bits)
 
     def choices_state(self) -> object:
-        """The plan's choices (:meth:`differing`): a plan that writes out every tensor at its
-        floor (the first plan of a memory target) is the default's state, and the graphs
-        compiled under the default serve it instead of being compiled again (a step spent
-        compiling is also one a memory target cannot always measure)."""
+        """The plan's choices (:meth:`differing`), so that a plan equal to the default (a memory target's first,
+        every tensor at its floor) reuses the default's compiled graphs instead of compiling again."""
         return self.differing(self.assignment), self.default_bits
 
     def differing(self, assignment: Mapping[str, int | None]) -> list[tuple[str, int | None]]:
-        """The slots of ``assignment`` whose bits differ from what the default gives them,
-        sorted: two assignments with the same are the same plan."""
+        """The slots of ``assignment`` whose bits differ from the default's, sorted: equal lists, equal plans."""
         floors, default = self._floors, self.default_bits
         return sorted(
             (slot, bits)
@@ -262,8 +245,8 @@ class AllocatedBits(BitPolicy):
         """Re-solve the allocation for the slots that have an estimate and no rule pinning bits.
 
         Args:
-            variance: per slot, the gradient variance it adds at each bit width (from an
-                estimator in :mod:`lightning_act.policy.estimators`).
+            variance: per slot, the gradient variance it adds at each bit width
+                (:mod:`lightning_act.policy.estimators`).
             slots: every slot to allocate, with its size.
         """
         free = {k: s for k, s in slots.items() if k in variance and not self.pins_bits(s)}
@@ -289,10 +272,9 @@ class AdaptiveBits(AllocatedBits):
     """Per-tensor bits that minimise the estimated gradient variance at an average of bits.
 
     Args:
-        budget: average bits per value over the tensors it allocates (fractional allowed);
-            per-group statistics and the tensors' floors (8 bits for softmax inputs) are
-            counted as uniform quantization pays them, so a budget of 2 stores what
-            ``FixedBits(2)`` stores.
+        budget: average bits per value over the tensors it allocates (fractional allowed), with
+            statistics and floors counted as uniform quantization pays them: a budget of 2 stores
+            what ``FixedBits(2)`` stores.
         candidates: the choices, from 1, 2, 4, 8 and "exact".
         rules: per-module and per-op overrides (:class:`SaveRules`); pinned bits are outside the budget.
 

@@ -1,23 +1,14 @@
-"""Sensitivity estimators: ``v_i(b)``, the gradient variance saved tensor ``i`` adds when it
-is stored at ``b`` bits. Both return ``{slot: {1: v, 2: v, 4: v, 8: v}}``.
+"""Sensitivity estimators: ``v_i(b)``, the gradient variance saved tensor ``i`` adds at ``b`` bits, returned
+as ``{slot: {1: v, 2: v, 4: v, 8: v}}``.
 
-* :func:`probe_sensitivities` measures it (GACT's probes): one forward on a slice of the
-  batch with every candidate tensor kept exact, one exact backward, then for each tensor
-  one backward with only that tensor quantized, at 2 bits (or its floor). The other widths
-  follow from the noise each width puts into that tensor, measured by rounding it once per
-  width (no backward): backward scales a tensor's noise by the same factor whatever its
-  width, so ``v_i(b) = v_i(2) ||Q_b(x_i) - x_i||**2 / ||Q_2(x_i) - x_i||**2``. The
-  measurement includes what no model predicts well: a zero-preserving group (a ReLU
-  output) has one level fewer at 2 bits, a tensor with few distinct values rounds with
-  less noise. Costs one backward pass per tensor on the slice.
-* :class:`GradientSensitivity` models it from the normal training step: stochastic
-  rounding of a group with range ``r`` at ``b`` bits adds noise of energy
-  ``G r**2 S(b) / 6``, which reaches the gradient scaled by the gradient flowing out of the
-  module that saved the tensor: ``v_i(b) = (G / 6) sum_g r_g**2 S_i(b) mean(dL/dy**2)``,
-  with ``S_i`` accounting for the tensor's zero-preserving groups. No extra pass, a few
-  reductions on the calibration steps; it ignores how noise propagates upstream.
-
-``benchmarks/adaptive_allocation.py`` measures how good each allocation is.
+* :func:`probe_sensitivities` measures it (GACT's probes) on a slice of the batch: the gradient error with
+  only that tensor quantized, at 2 bits (or its floor). Backward scales a tensor's noise alike at every width,
+  so the other widths follow from rounding it once per width:
+  ``v_i(b) = v_i(2) ||Q_b(x_i) - x_i||**2 / ||Q_2(x_i) - x_i||**2``. Measuring captures what models miss
+  (zero-preserving groups, tensors of few distinct values).
+* :class:`GradientSensitivity` models it from the normal step: rounding a group of range ``r`` at ``b`` bits
+  adds noise energy ``G r**2 S(b) / 6``, scaled by the gradient flowing out of the saving module:
+  ``v_i(b) = (G / 6) sum_g r_g**2 S_i(b) mean(dL/dy**2)``. No extra pass; it ignores upstream propagation.
 """
 
 from __future__ import annotations
@@ -70,8 +61,7 @@ class GradientSensitivity:
 
     def sensitivities(self) -> dict[str, dict[int, float]]:
         """``v_i(b)`` per slot observed so far (one host synchronisation)."""
-        # A tensor saved outside every module (a loss function's input, say) has no module
-        # output to take the gradient from: it gets no estimate, so it keeps the default bits.
+        # A tensor saved outside every module has no output gradient: no estimate, so the default bits.
         slots = [s for s in self._noise if self._slot_module[s] in self._grad]
         if not slots:
             return {}
@@ -84,18 +74,12 @@ class GradientSensitivity:
 class UpdateWeights(Sequence):
     """How much a gradient error in each parameter moves the optimizer's next update.
 
-    An optimizer step changes a parameter by ``lr * g / d`` (``d = 1`` for SGD; for Adam
-    and its variants ``d = sqrt(v_hat) + eps``, from the optimizer's own second-moment
-    state). A gradient error ``e`` thus moves the update by ``lr * e / d``, and its energy
-    is ``e**2`` weighted by ``(lr / d)**2`` element by element. Under Adam, parameters with
-    small gradients (attention's query and key weights early in training, say) get large
-    weights: there, noise that is small next to the whole gradient's norm still swamps
-    their own update.
+    A step changes a parameter by ``lr * g / d`` (``d = 1`` for SGD, ``sqrt(v_hat) + eps`` for Adam), so an
+    error ``e`` has update energy ``e**2 (lr / d)**2`` per element. Under Adam, parameters with small gradients
+    get large weights: noise small next to the whole gradient can still swamp their own update.
 
-    Item ``i``, for ``params[i]``: a tensor of its shape, a float (``lr**2`` for a parameter
-    with no second-moment state), or None where no optimizer holds it (plain variance). A
-    tensor is computed from the optimizer's state when it is read, so that the probes hold
-    one parameter's weights at a time, never a copy of the optimizer's state.
+    Item ``i``, for ``params[i]``: a tensor of its shape, a float (``lr**2`` without second-moment state), or
+    None where no optimizer holds it. Tensors are computed when read, so only one is held at a time.
     """
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]):
@@ -129,14 +113,12 @@ class UpdateWeights(Sequence):
 
 
 def update_weights(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]) -> UpdateWeights:
-    """Per parameter, how much its gradient error moves ``optimizers``' next update
-    (:class:`UpdateWeights`, aligned with ``params``)."""
+    """:class:`UpdateWeights` of ``optimizers`` for ``params``."""
     return UpdateWeights(optimizers, params)
 
 
 class _Blend(Sequence):
-    """Per parameter, the blend of norms ``sum_j c_j W_j`` (``W_j`` the identity for a norm
-    of None), computed when read."""
+    """Per parameter, ``sum_j c_j W_j`` (``W_j = 1`` for a norm of None), computed when read."""
 
     def __init__(self, coefficients: Sequence[float], norms: list, size: int):
         self._coefficients, self._norms, self._size = list(coefficients), norms, size
@@ -180,34 +162,23 @@ def probe_sensitivities(
 ) -> dict[str, dict[int, float]]:
     """GACT's probe estimator: the gradient variance each tensor adds when quantized alone.
 
-    With ``weights`` (the optimizer's scaling, :func:`update_weights`) it measures two
-    norms at once, the raw gradient's error and the optimizer update's, and minimises a
-    blend of both. Either alone fails the other: under Adam, the update's norm gives
-    attention's small-gradient weights their due but lets one tensor dominate the raw
-    gradient's error (the output layer's input), and the raw gradient's norm does the
-    reverse. Each norm is measured relative to what uniform 2 bits (or a tensor's floor)
-    adds in it, so neither wins by its units alone.
+    With ``weights`` (:func:`update_weights`) it measures the error in two norms, the raw gradient's and the
+    optimizer update's, and blends them: under Adam either alone neglects what the other catches. Each norm
+    is scaled so that uniform 2 bits (or a tensor's floor) scores the same in both.
 
     Args:
         capture: the :class:`~lightning_act.capture.ActivationCapture` whose slots to probe.
         loss_fn: runs the forward (on a small batch) and returns the scalar loss.
         params: the parameters whose gradient variance counts; their ``.grad`` is untouched.
         inputs: tensors alive for the whole step (the batch), as in ``capture.start``.
-        weights: per parameter, a factor on its squared gradient error (see
-            :func:`update_weights`): the variance of the optimizer's update.
-        update_share: with ``weights``, the update norm's share of the objective, from 0
-            (the raw gradient's alone) to 1 (the update's alone).
-        method: ``"linearized"``, a cost independent of depth: each tensor's error through
-            the backward nodes that read it, and upstream by directional derivatives
-            (:mod:`lightning_act.policy.linearized`); ``"per_tensor"``, GACT's own: one
-            backward through the whole model per tensor.
-        directions: the linearized method's random directions (one forward each), shared by
-            both norms.
+        weights: per parameter, a factor on its squared gradient error (:func:`update_weights`).
+        update_share: with ``weights``, the update norm's share of the objective, in [0, 1].
+        method: ``"linearized"`` (cost independent of depth; :mod:`lightning_act.policy.linearized`)
+            or ``"per_tensor"`` (GACT's own: one whole backward per tensor).
+        directions: the linearized method's random directions (one forward each).
 
     Returns:
-        ``v_i(b)`` per slot for every supported bit width, in the update's units when
-        ``weights`` is given (the gradient's term rescaled so that uniform 2 bits scores
-        the same in both norms), else in the gradient's.
+        ``v_i(b)`` per slot and supported width, in the update's units if ``weights`` is given.
     """
     if not 0.0 <= update_share <= 1.0:
         raise ValueError(f"update_share={update_share!r} is not supported; allowed: a number from 0 to 1")
@@ -240,12 +211,11 @@ def probe_sensitivities(
             whole = [slot for slot in probed if slot in linearized.unrouted]
         else:
             whole = list(probed)
-        # Per slot: what its rounding at the probed width adds, per norm (``measured``) or
-        # already blended (``blended``).
+        # Per slot: the error of its rounding at the probed width, per norm or already blended.
         measured = _measure_whole(probe, loss, params, norms, {slot: probed[slot] for slot in whole})
         blended: dict[str, float] = {}
-        # Energy of each slot's noise at its reference width (2 bits or its floor), relative
-        # to the probed width's: the blend weighs the norms at uniform reference widths.
+        # Each slot's noise energy at its reference width (2 bits or its floor) relative to the probed width's:
+        # the blend weighs the norms at uniform reference widths.
         reference = {slot: max(2, floor) for slot, floor in floors.items()}
         to_reference = {
             slot: noise[slot][SUPPORTED_BITS.index(reference[slot])] / noise[slot][SUPPORTED_BITS.index(width)]
@@ -294,8 +264,8 @@ def probe_sensitivities(
 
 
 def _blend_coefficients(totals: list[float], update_share: float) -> list[float]:
-    """The blend's factor on each norm (the raw gradient's, then the update's): the
-    gradient's term rescaled so that uniform reference widths score the same in both."""
+    """The blend's factor on each norm (gradient, update), the gradient's rescaled so that uniform reference
+    widths score the same in both."""
     if len(totals) == 1:
         return [1.0]
     gradient_total, update_total = totals
@@ -324,9 +294,8 @@ def _measure_whole(probe, loss: torch.Tensor, params, norms: list, widths: dict[
 
 
 def _probe_width(floor: int, noise: Sequence[float]) -> int | None:
-    """The width a slot's backward is probed at: 2 bits, the width most allocations hinge
-    on, or the narrowest above its floor; else the narrowest that adds noise; None if no
-    width the slot may get adds any."""
+    """The width a slot is probed at: 2 bits (what most allocations hinge on) or the narrowest above its
+    floor, else the narrowest that adds noise; None if no allowed width adds any."""
     allowed = sorted((b for b in SUPPORTED_BITS if b >= floor), key=lambda b: (b < 2, b))
     energy = dict(zip(SUPPORTED_BITS, noise))
     return next((b for b in allowed if energy[b] > 0.0), None)

@@ -1,46 +1,20 @@
 """GACT's sensitivities at a cost that does not grow with depth.
 
-GACT's probes (:func:`~lightning_act.policy.estimators.probe_sensitivities` with
-``method="per_tensor"``) measure ``v_i``, the error that saved tensor ``i``'s rounding noise
-puts into the gradient, with one backward through the whole model per tensor: the cost of a
-recalibration grows with the number of saved tensors, so with depth. Here the same
-quantity, per tensor, comes from passes whose number does not depend on the model:
+GACT's probes (``method="per_tensor"``) run a whole backward per saved tensor. Here ``v_i``, the gradient error
+tensor ``i``'s rounding causes, comes from a number of passes independent of the model:
 
-1. one exact backward on the probe slice that records which backward nodes read each saved
-   tensor and the gradient each node receives;
-2. per tensor, its reading nodes called once more on that gradient, with the tensor
-   rounded: the errors they pass on, ``d``, to parameters' gradients (the local part,
-   measured as is) and to activations' gradients;
-3. the error that an activation's gradient error ``d`` puts into every parameter upstream,
-   ``||J d||**2`` with ``J`` the backward from that activation to the parameters, estimated
-   without back-propagating ``d``: for a random direction ``z`` in parameter space,
-   ``<z, J d> = <J^T z, d>``, and ``J^T z`` is how the activation moves when the parameters
-   move along ``z``: a directional derivative, taken by a finite difference, one forward
-   per direction for every activation at once. The mean of ``<J^T z, d>**2`` over
-   directions ``z ~ N(0, W)`` is ``d^T J^T W J d`` (Hutchinson's estimator): the squared
-   error in the norm that ``W`` weighs (the identity for the raw gradient, the optimizer's
-   ``(lr / denominator)**2`` for its update).
+1. an exact backward on the probe slice records which nodes read each saved tensor and what reaches each node;
+2. per tensor, its readers are called again with it rounded: the errors ``d`` they pass to parameters'
+   gradients (the local part) and to activations' gradients;
+3. ``d`` reaches the parameters upstream as ``||J d||**2``. For a direction ``z``, ``<z, J d> = <J^T z, d>``,
+   and ``J^T z`` is the activations' directional derivative: one finite-difference forward per direction
+   serves them all. Over ``z ~ N(0, W)``, ``E <J^T z, d>**2 = d^T J^T W J d`` (Hutchinson).
 
-With two norms (the raw gradient's and the optimizer update's, blended by the estimator
-at a scale that makes uniform 2 bits score the same in both), one set of directions
-serves both: ``z ~ N(0, a I + b W)`` estimates the blend ``a ||J d||**2 + b ||J d||_W**2``
-at once. The scale comes first, from the totals over every tensor, which one backward
-gives: the errors of all tensors summed with random signs and back-propagated to the
-parameters have, over the signs, the summed energies as their expected energy.
-
-Cost: one forward and one backward on the slice, one call of each reading node per
-tensor (about one more backward in all), one more backward for the scale with two norms,
-and ``directions`` forwards. An error
-whose activation no forward call returned (a value inside a fused C++ op) is followed
-through the nodes between, which are linear in it; a tensor whose error cannot be followed
-to a recorded activation within :data:`MAX_CALLS` node calls is probed by a whole backward
-instead (the hidden states inside ``nn.GRU``'s one fused op: every timestep is a node),
-and if the perturbed forwards do not repeat the first one call for call (data-dependent
-control flow), every tensor is.
-
-The directional estimate has a relative spread of ``sqrt(2 / directions)`` per tensor; the
-allocation compares tensors whose sensitivities span orders of magnitude, and
-``benchmarks/adaptive_allocation.py`` measures what the spread costs it.
+Two norms (gradient and update) share the directions: ``z ~ N(0, a I + b W)`` estimates the blend
+``a ||J d||**2 + b ||J d||_W**2``; its scale comes first, from one backward of all errors summed with random
+signs. Errors inside fused ops are followed through the (linear) nodes between; a tensor not routed within
+:data:`MAX_CALLS` calls is probed by a whole backward, and every tensor is if a perturbed forward does not
+repeat the recorded one. The estimate's relative spread is ``sqrt(2 / directions)`` per tensor.
 """
 
 from __future__ import annotations
@@ -52,11 +26,10 @@ import torch
 from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 
-#: The step of the finite difference, relative to the parameters' norm: small enough that
-#: the curvature's share of the difference is negligible, large enough for float32.
+#: The finite difference's step relative to the parameters' norm: small enough that curvature is negligible,
+#: large enough for float32.
 RELATIVE_STEP = 1e-3
-#: How many nodes a tensor's errors are followed through, at most, to reach the activations
-#: that torch functions returned.
+#: The most nodes a tensor's errors are followed through to reach activations torch functions returned.
 MAX_CALLS = 64
 #: The dtype the errors routed to activations are held in until the directional forwards.
 ERROR_DTYPE = torch.bfloat16
@@ -67,12 +40,8 @@ class Mismatch(RuntimeError):
 
 
 class ForwardRecorder(TorchFunctionMode):
-    """Indexes the floating-point outputs of every torch function in call order (calls
-    that return none do not count).
-
-    ``record`` mode notes each output that has a gradient function, keyed by its autograd
-    edge ``(grad_fn, output_nr)``, with its shape (no copy of its values: a probe holds
-    none); ``replay`` mode hands each wanted output of a later forward to
+    """Indexes the floating-point outputs of torch functions in call order: recording keys each output that has
+    a ``grad_fn`` by its autograd edge (shape only); :meth:`replay` hands wanted outputs of a later forward to
     ``on_output(call, position, output)``."""
 
     def __init__(self):
@@ -125,9 +94,8 @@ class ForwardRecorder(TorchFunctionMode):
 
 
 def norm_energies(errors: Iterable[tuple[int, torch.Tensor]], norms: list, device: torch.device) -> torch.Tensor:
-    """Per norm, the summed squared error of parameters' gradients, given as ``(parameter
-    index, error)``: plain (a norm of None), or each element weighted by the norm's weight
-    for that parameter (None: plain). A float64 tensor on ``device``, one entry per norm."""
+    """Per norm, the summed squared ``(parameter index, error)`` pairs, each element weighted by the norm's
+    weight for that parameter (None: unweighted). A float64 tensor on ``device``."""
     totals: list[torch.Tensor | float] = [0.0] * len(norms)
     for index, error in errors:
         squared = error.double().square()
@@ -151,9 +119,8 @@ def energies_of_gradients(
     backward: Callable[[], object],
     reference: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """Per norm, the summed squared gradient (less ``reference``'s, per parameter) that
-    ``backward`` computes for ``params``, each parameter's taken as it arrives and then
-    dropped: the energies cost one parameter's gradient at a time, not a copy of all."""
+    """Per norm, the summed squared gradient (less ``reference``'s) ``backward`` computes for ``params``, each
+    taken as it arrives and dropped, so only one parameter's gradient is held at a time."""
     device = params[0].device
     totals = torch.zeros(len(norms), dtype=torch.float64, device=device)
 
@@ -190,12 +157,10 @@ def graph_nodes(root) -> list:
 
 
 class LinearizedProbe:
-    """Steps 1 to 3 for one probed forward: build it, :meth:`measure` the slots, then
-    :meth:`upstream`.
+    """Steps 1 to 3 for one probed forward: build it, :meth:`measure` the slots, then :meth:`upstream`.
 
-    No backward's gradients are held: a first backward records the order its nodes run in,
-    the metadata of what reaches each and which nodes read each slot; a second one calls
-    each reader, from its pre-hook, on what reaches it as it runs (step 2)."""
+    No gradients are held: the first backward records the nodes' order, the metadata of what reaches each
+    and each slot's readers; a second calls each reader from its pre-hook as it runs (step 2)."""
 
     def __init__(
         self, probe, recorder: ForwardRecorder, loss: torch.Tensor, params: Sequence[torch.Tensor], norms: list
@@ -214,8 +179,7 @@ class LinearizedProbe:
         finally:
             self.readers, probe.readers = probe.readers, None
         self._order = {node: i for i, node in enumerate(self._arriving)}
-        #: per slot: the squared error of the parameters its readers write, per norm (a
-        #: device tensor).
+        #: Per slot: the squared error of the parameters its readers write, per norm (a device tensor).
         self.local: dict[str, torch.Tensor] = {}
         #: (call, position) -> [(slot, error of that activation's gradient)].
         self.errors: dict[tuple[int, int], list[tuple[str, torch.Tensor]]] = {}
@@ -223,9 +187,7 @@ class LinearizedProbe:
         self.unrouted: set[str] = set()
 
     def _backward(self, prehooks: dict) -> None:
-        """The exact backward on the slice with ``prehooks`` (node -> hook). The parameters'
-        gradients are not needed, only what reaches each node: each is dropped as it arrives
-        (a one-element view is returned instead)."""
+        """The exact backward on the slice with ``prehooks`` (node -> hook); parameters' gradients are dropped."""
         handles = [node.register_prehook(hook) for node, hook in prehooks.items()]
         handles += [p.register_hook(_drop_gradient) for p in self.params]
         try:
@@ -291,9 +253,8 @@ class LinearizedProbe:
     def _route(self, slot: str, errors: list) -> None:
         """Follows ``[((node, output_nr), error)]`` to parameters and recorded activations.
 
-        Nodes in between are called, each once with everything that reaches it, in the
-        order the exact backward ran them, which is when every error bound for a node has
-        arrived; a node returns an error that ``alone`` would cause, being linear in it."""
+        Nodes in between are called once each, in the exact backward's order (when all their errors have
+        arrived), on the errors alone: they are linear in them."""
         param_errors: dict[int, torch.Tensor] = {}
         pending: dict = {}  # node -> {output_nr: error}
 
@@ -309,9 +270,8 @@ class LinearizedProbe:
                 return True
             key = self.recorder.index.get((node, output_nr))
             if key is not None:
-                # Kept in bfloat16, float32's range at half its bytes: every error is only ever
-                # read in sums of products with other vectors, which its rounding (a 2**-9
-                # relative error per element, unbiased across elements) does not move.
+                # bfloat16: float32's range at half the bytes; errors are only read in sums of products,
+                # which per-element rounding does not move.
                 self.errors.setdefault(key, []).append(
                     (slot, _sum_to(error, self.recorder.shapes[key]).to(ERROR_DTYPE))
                 )
@@ -319,8 +279,7 @@ class LinearizedProbe:
             arriving = self._arriving.get(node)
             if arriving is None or arriving[output_nr] is None:
                 return False
-            # Called directly, a node returns the gradient of a broadcast input unreduced; the
-            # engine would sum it to the input's shape.
+            # A node called directly returns a broadcast input's gradient unreduced.
             error = _sum_to(error, arriving[output_nr][0])
             waiting = pending.setdefault(node, {})
             waiting[output_nr] = waiting[output_nr] + error if output_nr in waiting else error
@@ -349,19 +308,16 @@ class LinearizedProbe:
         self.local[slot] = norm_energies(param_errors.items(), self.norms, self.params[0].device)
 
     def upstream_totals(self, factors: dict[str, float]) -> torch.Tensor:
-        """Per norm, the upstream error energy summed over the routed slots, each slot's
-        errors scaled by ``sqrt(factors[slot])`` (its noise energy at another width
-        relative to the probed one): one backward of the errors summed with random signs,
-        from the recorded activations to the parameters. Over the signs, the cross terms
-        between slots vanish, so the result's expectation is the sum of the slots' own."""
+        """Per norm, the upstream error energy summed over the routed slots, each scaled by
+        ``sqrt(factors[slot])``: one backward of the errors summed with random signs, whose cross terms
+        vanish in expectation."""
         generator = torch.Generator().manual_seed(1)
         slots = sorted({slot for entries in self.errors.values() for slot, _ in entries})
         signs = dict(zip(slots, (torch.randint(0, 2, (len(slots),), generator=generator) * 2 - 1).tolist()))
         edges = {key: edge for edge, key in self.recorder.index.items() if key in self.errors}
         if not edges:
             return torch.zeros(len(self.norms), dtype=torch.float64)
-        # The backward starts from every activation with a zero gradient that costs nothing (a
-        # stride-0 view); each activation's signed errors are added only as its node runs.
+        # Start from stride-0 zero gradients; each activation's signed errors are added as its node runs.
         by_node: dict = {}
         for key, (node, output_nr) in edges.items():
             by_node.setdefault(node, []).append((output_nr, key))
@@ -395,22 +351,17 @@ class LinearizedProbe:
                 handle.remove()
 
     def upstream(self, forward: Callable[[], object], directions: int, weights: Sequence) -> dict[str, float]:
-        """Step 3: per slot, the mean over directions ``z ~ N(0, W)`` of ``<J^T z, d>**2``,
-        ``W`` given per parameter by ``weights`` (a tensor of its shape, a float, or None
-        for 1).
+        """Step 3: per slot, the mean over directions ``z ~ N(0, W)`` of ``<J^T z, d>**2``, ``W`` given per
+        parameter by ``weights`` (a tensor, a float, or None for 1).
 
-        ``<J^T z, d>`` is the finite difference of ``<f(theta), d>`` along ``z``, with ``f`` the
-        recorded activations. The products are taken as each forward returns its
-        activations, in float64, the one at the parameters as they are by one more forward:
-        no forward's activations are kept, and every forward runs without a graph. The
-        directions are fixed, like the probes' rounding seeds, so that the same model and
-        batch measure the same."""
+        ``<J^T z, d>`` is the finite difference of ``<f(theta), d>`` along ``z``, ``f`` the recorded
+        activations, taken in float64 as each graph-free forward returns them. Directions are seeded, so the
+        same model and batch measure the same."""
         slots = sorted({slot for entries in self.errors.values() for slot, _ in entries})
         if not slots:  # every error is local
             return {}
         position = {slot: k for k, slot in enumerate(slots)}
-        # Per activation: its slots' errors as the rows of one matrix, so that one product
-        # gives every slot's <f, d> there.
+        # Per activation: its slots' errors as rows of one matrix, so one product gives every slot's <f, d>.
         stacked = {}
         for key in list(self.errors):
             entries = self.errors.pop(key)
@@ -454,10 +405,9 @@ class LinearizedProbe:
     def _perturb(
         self, weights: Sequence, generator: torch.Generator, scale: torch.Tensor, originals: list[torch.Tensor]
     ) -> float | None:
-        """Moves the parameters to ``originals + eps * z`` for a new direction ``z ~ N(0, W)``,
-        one parameter at a time, and returns ``eps``. The originals stay as they are (the
-        parameters get new tensors): restoring them is exact, and the probe holds one
-        perturbed copy of the parameters, not the draws, the steps and a saved copy too."""
+        """Moves the parameters to ``originals + eps * z`` for a new direction ``z ~ N(0, W)`` and returns
+        ``eps``. The parameters get new tensors, so restoring the originals is exact; the draws are
+        regenerated rather than held."""
 
         def steps():
             for i, (p, value) in enumerate(zip(self.params, originals)):
@@ -477,8 +427,8 @@ class LinearizedProbe:
 
 
 def _float64_products(rows: torch.Tensor, vector: torch.Tensor, chunk: int = 1 << 16) -> torch.Tensor:
-    """``rows @ vector`` in float64, a chunk of columns at a time (the float64 copies stay
-    small): a finite difference of two such products cancels all but a thousandth of them."""
+    """``rows @ vector`` in float64 (a finite difference of two cancels most of their digits), a chunk of
+    columns at a time so the float64 copies stay small."""
     total = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
     for start in range(0, vector.numel(), chunk):
         total += rows[:, start : start + chunk].double() @ vector[start : start + chunk].double()

@@ -1,49 +1,23 @@
 """A peak-memory target: every step's measured peak held at or below a number of bytes.
 
-Users know what their device holds, not how many bits each saved tensor needs. Given a
-target, :class:`TargetBits` chooses each compressible saved tensor's bits (its floor, 1, 2,
-4, 8 or exact) with the allocation knapsack (:func:`~lightning_act.policy.allocation.allocate_storage`),
-within the storage the target leaves, closed loop on the peak each step measures:
+:class:`TargetBits` chooses each free saved tensor's bits (floor, 1, 2, 4, 8 or exact) with the allocation
+knapsack, closed loop on each step's measured peak:
 
-1. The first two steps (and the first two after a restart) run every tensor at its floor:
-   the least reachable peak. If a step at the floor is over the target, it cannot be met at
-   this batch (:attr:`Verdict.UNREACHABLE`), from the first step on: the peak it is judged
-   by counts the optimizer state the step allocated as held from its start, as it is in
-   every later step (:meth:`~lightning_act.monitor.StepPeakMemory.lasting_peak_bytes`). A
-   step that compiles holds the compiler's own allocations besides the plan's: over the
-   target it is not judged, but counts as run (:attr:`Verdict.UNMEASURED`); under it, the
-   plan's own peak is lower still, and the room it leaves is safe to move into. The first
-   step allocates what later steps keep (the optimizer's state, gradients held through the
-   next forward), so its peak understates theirs: the plan moves from the second step's
-   peak on.
-2. After a step under the target, the tensors may use ``(aim - measured) / slope`` more bytes
-   than that step's plan used (where that is ``MIN_MOVE_SHARE`` more or better). In eager
-   mode a stored byte more raises the peak by at most one byte (slope one): the records are at most all alive at once at the peak, and a tensor
-   stored with more bits needs no larger buffer to decode. So a move up from a plan that
-   fitted fits too, and each move closes a share of the gap, the share of the records alive
-   at the peak. Under ``torch.compile`` a byte of plan cost up to 1.3 bytes of peak (the
-   compiled backward's buffers are the compiler's), so a compiled model starts from a slope
-   of ``COMPILED_SLOPE``, and makes at most ``COMPILED_PLANS`` plans: each compiles the
-   graphs again (:meth:`TargetBits.follow_compiled`). There the peak follows storage less
-   as storage grows (moves measured 1.2, 0.8, then 0.1 bytes of peak per byte), so each
-   later move takes the slope the last one measured, at least ``COMPILED_LEAST_SLOPE``:
-   held at the steepest, the plans ran out at 0.85 of the target.
-3. A step over the target (a longer sequence, a larger batch) moves the plan down by the
-   excess; if the records alive at the peak are only part of them, a few steps are needed.
-   No later plan comes back to the storage that step was over with (until a restart): where
-   the peak does not follow storage smoothly (which records are alive at the peak changes
-   with their bits), moves by the room alone swung between over and under the target. A
-   compiled model over the target after a move up goes back to the plan of the last step
-   under it instead, whose graphs are compiled already; a step over the target always moves,
-   whatever plans are left.
-4. A recalibration (new sensitivities) re-plans at the storage the last step measured: it
-   moves bits between tensors, which can move the peak by itself, and adds no room on top.
+1. The first two steps (after a start or restart) run every tensor at its floor, the least reachable peak; a
+   step there over the target is :attr:`Verdict.UNREACHABLE` (its peak counts the optimizer state it allocated
+   as held from the start). A compiling step over the target is :attr:`Verdict.UNMEASURED`: the compiler's own
+   allocations may be the excess. The first step allocates what later ones keep, so moves start from the second.
+2. Under the target, the plan may grow by ``(aim - peak) / slope`` bytes. In eager mode a stored byte raises the
+   peak by at most one byte, so a move up from a fitting plan fits. Compiled, the compiler's buffers follow the
+   bits too: the slope starts at ``COMPILED_SLOPE`` and follows what moves measure, and at most
+   ``COMPILED_PLANS`` plans are made, as each recompiles.
+3. Over the target, the plan moves down by the excess and never returns to storage that was over (until a
+   restart), so it does not swing around the target. Compiled, after a move up, it returns to the last fitting
+   plan instead.
+4. A recalibration re-plans at the measured storage and adds no room: moving bits alone can move the peak.
 
-Only bits move the peak here. Recomputation is not an option because it does not pay on
-top of compression: a recomputed block keeps its input whole and re-creates its activations
-uncompressed in backward, more than its records at their floor (``docs/results.md``, "A
-peak-memory target"). Blocks the user checkpoints are measured like anything else. Offload
-of records is not an option yet.
+Recomputation does not pay on top of compression (a recomputed block re-creates its activations uncompressed;
+``docs/results.md``), so only bits move the peak.
 """
 
 from __future__ import annotations
@@ -60,12 +34,10 @@ from lightning_act.policy.bits import EXACT_NAME, AllocatedBits, SlotInfo, parse
 
 #: Where a move up aims, as a share of the target: room for what varies between steps.
 AIM = 0.98
-#: A step under the aim moves its plan up where the room would buy at least this share more
-#: storage than the plan has: smaller moves are not worth a new plan. (A band of the target
-#: instead, 93% of it, held a transformer whose peak is a forward transient at every tensor's
-#: floor: 22.33 MiB against a target of 23.30, where 2 bits everywhere peak at 22.83.)
+#: The least growth of storage, as a share of the plan's, worth a move up. (A band of the target instead would
+#: never move a model whose floor already peaks inside it.)
 MIN_MOVE_SHARE = 0.05
-#: No measured slope counts for more (a move would hardly move).
+#: The largest slope counted (beyond it a move would hardly move).
 MAX_SLOPE = 4.0
 #: A plan stays under this share of the least storage a step was measured over the target with.
 CEILING_SHARE = 0.99
@@ -73,9 +45,8 @@ CEILING_SHARE = 0.99
 BATCH_GROWTH = 1.25
 #: New plans a compiled model may make after its floor: each compiles the graphs again.
 COMPILED_PLANS = 3
-#: The slope a compiled model's moves start from: on a compiled ViT, moves made at slope
-#: one raised the peak by up to 1.29 bytes per byte of plan (the partition and the
-#: compiler's buffers follow the bits), and overshot the target by up to 9%.
+#: The slope a compiled model's moves start from: the partition and the compiler's buffers follow the bits, so
+#: moves at slope one overshoot the target.
 COMPILED_SLOPE = 2.0
 #: The least slope a compiled model's later moves take, whatever the last one measured.
 COMPILED_LEAST_SLOPE = 1.0
@@ -148,10 +119,9 @@ def unreachable_message(
     held: Mapping[str, int],
     device_type: str,
 ) -> str:
-    """Why a target cannot be met: the least reachable peak (``lasting_peak``: step ``step``,
-    measured by ``source`` with every tensor at its floor, peaked at ``peak``, and every later
-    step at least at ``lasting_peak``, holding what it left) and what occupies it (``held``: bytes by what holds them; the rest is named as backward's buffers
-    and temporaries)."""
+    """Why a target cannot be met: step ``step`` at every tensor's floor peaked at ``peak`` (measured by
+    ``source``), every later step at least at ``lasting_peak``; ``held`` is bytes by what holds them, the
+    rest is named as backward's buffers and temporaries."""
     parts = dict(held)
     parts["backward's buffers, the optimizer's temporaries and the rest"] = max(lasting_peak - sum(held.values()), 0)
     later = (
@@ -177,20 +147,19 @@ def unreachable_message(
 class Verdict(enum.Enum):
     """What one measured step says about the plan."""
 
-    #: Under the target, with too little room for a move up worth making: the plan stays.
+    #: Under the target, with too little room for a move up worth making.
     FITS = "fits"
     #: Room for a move up (see ``MIN_MOVE_SHARE``), or over the target: :meth:`TargetBits.update`.
     MOVE = "move"
     #: Over the target with every tensor at its floor.
     UNREACHABLE = "unreachable"
-    #: A step that compiled, over the target: the compiler's own allocations may be what is
-    #: over, so it is not judged (but counts as run).
+    #: A compiling step over the target: not judged (the compiler's allocations may be the excess), but run.
     UNMEASURED = "unmeasured"
 
 
 class TargetBits(AllocatedBits):
-    """Per-tensor bits chosen so that each step's measured peak stays at or below a target
-    (see the module for the loop).
+    """Per-tensor bits chosen so that each step's measured peak stays at or below a target (the loop: see the
+    module).
 
     Args:
         target_bytes: the peak each step must stay at or below, in bytes.
@@ -222,37 +191,31 @@ class TargetBits(AllocatedBits):
         self._fitting: tuple[dict[str, int | None], int] | None = None
         #: The peak the current plan is expected to stay under (None before a measurement).
         self.predicted_peak: int | None = None
-        #: The most the peak rose per byte of storage a move added: 1 in eager (see the
-        #: module), raised to what a move measures where it was more; compiled, what the
-        #: last move measured (see the module).
+        #: Peak bytes per byte of storage a move adds: at least 1 in eager, raised by what moves measure;
+        #: compiled, what the last move measured.
         self.slope = 1.0
         #: New plans still allowed (None: any number; ``COMPILED_PLANS`` for a compiled model).
         self.plans_left: int | None = None
         # Steps run since the start or a restart, measured or not.
         self._steps = 0
         self._measured_total = 0.0
-        # The least storage (bits) a step was measured over the target with: no plan goes back
-        # to it, so a plan does not swing between over and under (None: none was over).
+        # The least storage (bits) a step was measured over the target with: no plan goes back to it (None: none).
         self._ceiling: float | None = None
         # The last update left the plan as it was: the next step is not a reason to move again.
         self._stalled = False
-        # The last measured step asked for a move (else an update re-plans with new
-        # sensitivities, a recalibration, and keeps the storage that step measured).
+        # The last measured step asked for a move (else an update is a recalibration, at the measured storage).
         self._moving = False
         # The batch's bytes the plan is measured at (None: none yet).
         self._planned_batch_bytes: int | None = None
 
     def follow_compiled(self) -> None:
-        """Plan for a compiled model: at most ``COMPILED_PLANS`` plans, each moving up from a
-        slope of ``COMPILED_SLOPE`` at least."""
+        """Plan for a compiled model: at most ``COMPILED_PLANS`` plans, at a slope of ``COMPILED_SLOPE`` or more."""
         self.plans_left = COMPILED_PLANS
         self.slope = max(self.slope, COMPILED_SLOPE)
 
     def follow_batch(self, batch_bytes: int) -> bool:
-        """Restart (:meth:`restart`) where a batch is more than ``BATCH_GROWTH`` times the
-        bytes of the one the plan was measured at, or under half of them (a batch-size search,
-        a new stage); returns whether it did. Batches that vary less (sequences of varying
-        length, a last smaller batch) are followed by the loop itself."""
+        """:meth:`restart` (returning True) where a batch has over ``BATCH_GROWTH`` times the bytes of the one the
+        plan was measured at, or under half (a batch-size search, a new stage); the loop follows smaller changes."""
         planned = self._planned_batch_bytes
         if planned is not None and planned / 2 <= batch_bytes <= BATCH_GROWTH * planned:
             return False
@@ -274,8 +237,7 @@ class TargetBits(AllocatedBits):
         self._planned_batch_bytes = None
 
     def observe(self, peak_bytes: int, slots: Mapping[str, SlotInfo], compiled: bool = False) -> Verdict:
-        """Take the measured peak of a step run under the current plan; ``compiled``: the step
-        compiled graphs (see the module)."""
+        """Take the measured peak of a step run under the current plan; ``compiled``: the step compiled graphs."""
         if compiled and peak_bytes > self.target_bytes:
             self._steps += 1  # run, so the next step is not taken for a first one
             return Verdict.UNMEASURED
@@ -313,9 +275,8 @@ class TargetBits(AllocatedBits):
 
     @property
     def all_exact_fits(self) -> bool:
-        """Whether the last measured step kept every free tensor exact and stayed under the
-        target: the target is above the uncompressed peak. (A plan that has just moved to
-        every tensor exact is not that yet: its step is still to be measured.)"""
+        """Whether the last measured step kept every free tensor exact and stayed under the target (a plan just
+        moved to all exact is not measured yet)."""
         return self._measured_all_exact and self.measured_peak is not None and self.measured_peak <= self.target_bytes
 
     def update(
@@ -324,8 +285,8 @@ class TargetBits(AllocatedBits):
         """Re-plan from the last measured step (every tensor at its floor before one).
 
         Args:
-            variance: per slot, the gradient variance it adds at each bit width; where no
-                slot has an estimate yet, each value counts alike (noise ``S(b)`` per value).
+            variance: per slot, the gradient variance it adds at each bit width (``S(b)`` per value
+                where no slot has an estimate yet).
             slots: every slot, with its size.
         """
         if self._over and self.plans_left is not None and self._fitting and self._fitting[0] != self.assignment:
@@ -338,8 +299,7 @@ class TargetBits(AllocatedBits):
         moving = self._moving
         assignment = super().update(_every_slot(variance, self._free(slots)), slots)
         self._moving = False  # moved: a recalibration before the next step adds nothing more
-        # A move that changed nothing stalls the loop until a step goes over the target; a
-        # recalibration's new sensitivities give the room a fresh chance.
+        # A move that changed nothing stalls the loop until a step is over the target or a recalibration.
         changed = self.differing(assignment) != self.differing(planned)
         self._stalled = moving and not changed
         if self.plans_left and changed and self.measured_peak is not None:
@@ -350,11 +310,9 @@ class TargetBits(AllocatedBits):
         return assignment
 
     def _back_to_fitting(self) -> dict[str, int | None]:
-        """Compiled, over the target after a move up: back to the plan of the last step under
-        it. Its graphs are compiled already (the same plan is the same hooks, which Dynamo's
-        cache holds them under), so it costs no plan. Moved down by the excess instead, a
-        compiled ViT whose peak rose 2.9 bytes per byte of that move (0.85 the move before)
-        fell to its floor's peak, with no plan left to climb back."""
+        """Compiled, over the target after a move up: back to the last fitting plan, whose graphs Dynamo's cache
+        still holds, so it costs no plan. Moving down by the excess could overshoot to the floor with no plan
+        left to climb back."""
         assignment, peak = self._fitting
         self.assignment = dict(assignment)
         self.predicted_peak = peak
@@ -366,10 +324,8 @@ class TargetBits(AllocatedBits):
             return 0.0  # every tensor at its cheapest
         used = sum(self._measured_storage.get(k, storage_bits(floors.get(k, 1), *size)) for k, size in sizes.items())
         room = AIM * self.target_bytes - self.measured_peak
-        # Up by what the room allows at the steepest rise seen; down by at least the excess;
-        # below the storage a step was over the target with, whatever the room says. A
-        # recalibration moves bits between tensors, which alone can move the peak (which of
-        # them are alive at it): it does not add storage as well, a later step's room does.
+        # Up by what the room allows at the slope; down by at least the excess; always below the ceiling. A
+        # recalibration adds no storage: moving bits between tensors alone can move the peak.
         up = room / self.slope if room > 0 and self._moving else 0.0
         allowance = used + 8.0 * (up if room > 0 else room)
         if self._ceiling is not None:
@@ -390,9 +346,8 @@ class TargetBits(AllocatedBits):
 def _every_slot(
     variance: Mapping[str, Mapping[int, float]], slots: Mapping[str, SlotInfo]
 ) -> dict[str, Mapping[int, float]]:
-    """``variance`` with an estimate for every slot of ``slots``: one without (first seen
-    after the last measurement, or none measured yet) adds, per value, the median of what
-    the measured ones add per value (each value alike where none is measured: ``S(b)``)."""
+    """``variance`` with an estimate for every slot: one without adds per value the median of what measured
+    slots add per value (``S(b)`` where none is measured)."""
     measured = {k: v for k, v in variance.items() if k in slots}
     per_value = {}
     for b in (1, 2, 4, 8):
