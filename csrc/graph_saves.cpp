@@ -50,8 +50,8 @@ struct Packer {
   int64_t offset;
 };
 
-// A kDerivative decoder's inverse of h (PointwiseDerivative.restore_quantized in
-// lightning_act.backward_reads): a _Grid uniform in h, piece ``j`` starting at
+// A kDerivative decoder's inverse of h (DerivativeSubstitute.restore_quantized in
+// lightning_act.codecs.derivative): a _Grid uniform in h, piece ``j`` starting at
 // ``low + j * step``. ``level_codes`` is one group holding every code.
 struct Inverse {
   at::Tensor level_codes;
@@ -96,7 +96,7 @@ State& state() {
   return instance;
 }
 
-// Chunking of PointwiseDerivative.restore (backward_reads._chunks); must match for bit-exactness.
+// Chunking of DerivativeSubstitute.restore (codecs/derivative.py _chunks); must match for bit-exactness.
 constexpr int64_t kMinChunk = 1 << 14, kMaxChunks = 16;
 
 // The same mixer as lightning_act.capture.engine.splitmix64.
@@ -192,7 +192,7 @@ lookup_levels_op() {
   return op;
 }
 
-// Inverts 1-D ``values`` in place, chunked to bound temporaries: PointwiseDerivative.restore
+// Inverts 1-D ``values`` in place, chunked to bound temporaries: DerivativeSubstitute.restore
 // op for op and chunk for chunk, so bit-identical to Python.
 void invert_in_place(const Inverse& inverse, const at::Tensor& values) {
   const int64_t pieces = inverse.starts.numel();
@@ -209,7 +209,7 @@ void invert_in_place(const Inverse& inverse, const at::Tensor& values) {
   }
 }
 
-// PointwiseDerivative.restore_quantized op for op: each group's levels inverted, then read
+// DerivativeSubstitute.restore_quantized op for op: each group's levels inverted, then read
 // back by code (lookup_levels); with at least as many levels as values, the values directly.
 at::Tensor decode_derivative(const Decoder& decoder, const at::Tensor& codes, const at::Tensor& stats, int64_t numel,
                              at::ScalarType dtype) {

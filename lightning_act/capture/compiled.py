@@ -89,7 +89,7 @@ def _pack(x: torch.Tensor, state: str) -> Any:
         return (_KEPT, torch.ops.lightning_act.pack_saved(x, plan), x)
     if parsed.derivative is not None:
         # Traced here into the graph's own ops; stored and restored in x's memory order.
-        stored = parsed.substitute().of(x)
+        stored = parsed.substitute().of_input(x)
         if stored.stride() != x.stride():
             stored = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(stored)
     elif parsed.channels_last:

@@ -50,12 +50,12 @@ from torch import nn
 from lightning_act.backward_reads import (
     ATTENTION_MASK,
     Match,
-    PointwiseDerivative,
     Read,
     Recompute,
     Use,
 )
 from lightning_act.capture.records import Layout
+from lightning_act.codecs.derivative import DerivativeSubstitute
 from lightning_act.codecs.exact import INDEX_DTYPES
 from lightning_act.codecs.substitutes import FiniteStandIn, MinusInfinityStandIn, ThresholdCells
 from lightning_act.ops.validation import FLOAT_DTYPES, MIN_GROUP_SIZE
@@ -190,7 +190,7 @@ class Decision(NamedTuple):
     interval: tuple[float, float] | None = None
     #: :attr:`Form.QUANTIZE`: what is stored in place of the tensor (its ``store`` gives
     #: the tensor to encode and what restores it at unpack); for this op alone.
-    substitute: PointwiseDerivative | MinusInfinityStandIn | FiniteStandIn | None = None
+    substitute: DerivativeSubstitute | MinusInfinityStandIn | FiniteStandIn | None = None
     #: How to lay the tensor out for its codec, for the kinds stored by one.
     layout: Layout | None = None
     #: :attr:`Form.RECAST_WEIGHT`: the parameter to cast again at unpack.
@@ -336,7 +336,7 @@ def decide_site(site: SaveSite, *, min_numel: int) -> Decision:
     if site.statistic:
         return Decision(Form.STATISTIC)
     if read.derivative is not None:
-        return Decision(Form.QUANTIZE, floor, substitute=read.derivative)
+        return Decision(Form.QUANTIZE, floor, substitute=DerivativeSubstitute.of(read.derivative))
     if site.normalized is not None and (not site.normalized.channels or site.normalized.row < LONG_CHANNEL):
         # A row's noise times its 1 / std, twice.
         floor = max(floor, NONLINEAR_BITS if site.normalized.row < SHORT_ROW else _QUADRATIC_BITS)

@@ -1,13 +1,9 @@
-"""The capture engine: every tensor autograd saves for backward is decided
-(:func:`~lightning_act.capture.call_sites.decide`), stored at once, attributed to the module that
-saved it and accounted.
-
-Framework-free: :class:`ActivationCapture` works with any ``nn.Module`` (or none); the Lightning
-callback is a thin scheduler around it. A tensor is compressed at pack time because a deferred
-copy would miss in-place changes, which autograd no longer detects once hooks are installed. The
-saving op comes from an :class:`~lightning_act.optrack.OpTracker`. The saved-tensor hooks are the
-:class:`~lightning_act.capture.compiled.GraphHooks` pair: torch inlines them into graphs it
-compiles; called eagerly they hand each tensor to :meth:`ActivationCapture.pack`.
+"""The capture engine: every tensor autograd saves is decided
+(:func:`~lightning_act.capture.call_sites.decide`), stored, attributed to its module and accounted.
+Framework-free; the Lightning callback is a thin scheduler around it. Tensors are compressed at pack
+time: a deferred copy would miss in-place changes, which autograd no longer detects once hooks are
+installed. The hooks (:class:`~lightning_act.capture.compiled.GraphHooks`) are inlined into compiled
+graphs; called eagerly they hand each tensor to :meth:`ActivationCapture.pack`.
 """
 
 from __future__ import annotations
@@ -107,8 +103,7 @@ class ActivationCapture:
         self.policy = policy or FixedBits(self.config.bits)
         self.model = model
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-        # The buffer tables are the dicts themselves, so a buffer registered or replaced later is
-        # seen; each start marks buffers alive without walking the module tree.
+        # The buffer dicts themselves, so a buffer registered or replaced later is seen.
         self._modules: list[nn.Module] = [] if model is None else list(model.modules())
         self._buffer_tables = [module._buffers for module in self._modules]
         if model is not None:
@@ -116,8 +111,7 @@ class ActivationCapture:
                 # Named as in the module the user compiled, without its wrapper's ``_orig_mod``.
                 name = ".".join(part for part in name.split(".") if part != "_orig_mod")
                 self._names[module] = name or type(module).__name__
-        # Modules of a class the model has several of: one compiled graph may serve all of them,
-        # so its saves cannot be named by one. ``torch.compile`` wrappers are left out.
+        # Classes with several modules (wrappers aside): one compiled graph may serve them all.
         modules = [m for m in self._modules if not isinstance(m, OptimizedModule)]
         classes = collections.Counter(type(module) for module in modules)
         self._shared_class_names = {self._names[m] for m in modules if classes[type(m)] > 1}
@@ -173,8 +167,7 @@ class ActivationCapture:
         self._planned_graph = False
         self._frames_at_start = _frames_compiled()
         if seed is None:
-            # Counted per process: a ``with compress_activations()`` block per step makes a new
-            # capture each step, which must not repeat its noise.
+            # Per process: a ``compress_activations()`` block per step must not repeat its noise.
             seed = splitmix64(self.config.seed ^ splitmix64(ActivationCapture._sessions_in_process))
         self._reset_session(seed)
         self.mark_external(inputs)
@@ -235,9 +228,8 @@ class ActivationCapture:
         return self.report
 
     def shared_compiled_modules(self) -> dict[str, list[str]]:
-        """Modules compiled one by one (``module.compile()``, ``torch.compile`` of a submodule),
-        by class name, where a class has several: torch runs them all through the graphs compiled
-        for the first, whose plans fix each save's bits for every module of the class."""
+        """Modules compiled one by one, by class name, where a class has several: torch runs them
+        all through the first one's graphs, whose plans fix each save's bits for the whole class."""
         wrapped = {id(m._orig_mod) for m in self._modules if isinstance(m, OptimizedModule)}
         by_class: dict[type, list[str]] = {}
         for module in self._modules:
@@ -249,8 +241,7 @@ class ActivationCapture:
 
     def _check_shared_graphs(self) -> None:
         """Refuse a memory target, and warn for per-tensor bits, where one compiled graph serves
-        several modules (:meth:`shared_compiled_modules`): the graph stores every module's saves
-        at one module's planned bits, which no plan can price per module."""
+        several modules (:meth:`shared_compiled_modules`) at one module's planned bits."""
         self._shared_graphs_checked = True
         if not isinstance(self.policy, AllocatedBits):
             return
@@ -275,10 +266,8 @@ class ActivationCapture:
         )
 
     def _warn_if_graphs_skipped(self) -> None:
-        """Warn once where a compiled module's code ran eagerly with the op tracker off and no
-        graph packed any save: every save went to the eager hooks unseen and was kept exact.
-        Dynamo runs code eagerly past ``recompile_limit``, where compiling failed, and for an
-        untraceable call at a graph break."""
+        """Warn once where compiled code ran eagerly with the op tracker off and no graph packed
+        any save (past ``recompile_limit``, a failed compile): every save was kept exact."""
         if not self._unseen_saves or self._graph_packed or self._warned_graphs_skipped:
             return
         self._warned_graphs_skipped = True
@@ -300,8 +289,7 @@ class ActivationCapture:
         # An allocation is replaced, never changed in place: the name is made again only then.
         key = (id(policy), id(getattr(policy, "assignment", None)))
         if self._state[0] != key:
-            # Not the seed: graphs draw noise from a stream seeded at run time, so a new seed
-            # must not compile new graphs.
+            # Not the seed: graphs seed their noise at run time, so no recompiling per seed.
             planned = dataclasses.replace(self.config, seed=0)
             described = repr(
                 (_VERSION, _PLANNING_CODE, planned, type(policy).__name__, policy.rules.rules, policy.choices_state())
@@ -324,12 +312,9 @@ class ActivationCapture:
         return known
 
     def compiling(self) -> None:
-        """A graph is being compiled in this session: check its codecs (graphs store float saves
-        with ``quant`` alone; another codec, set or named by a rule, is an error, never silently
-        replaced) and turn off inductor's layout optimization until the session stops.
-
-        Inductor lowers the graph after the hooks are inlined; with layout optimization on it
-        stores a channels-last copy of every convolution's weight and input for backward, which
+        """A graph is being compiled: refuse codecs other than ``quant`` (never silently replaced)
+        and turn off inductor's layout optimization until the session stops: it runs after the
+        hooks are inlined and saves channels-last copies of convolutions' weights and inputs that
         no hook sees. ``TORCHINDUCTOR_LAYOUT_OPTIMIZATION=1`` keeps it on."""
         check_compiled_codecs(self.config, self.policy.rules)
         self._planned_graph = True
@@ -366,9 +351,8 @@ class ActivationCapture:
             self.account_packed(save.delta, [parts[1]], [save])
 
     def account_packed(self, delta: ReportDelta, stats: list[torch.Tensor], quantized: Sequence[PackedSave]) -> None:
-        """Add packed saves to the report. ``delta`` sums them (see :class:`PackedSave`);
-        ``stats`` holds their group stats, one tensor per save of ``quantized``, or concatenated
-        where that is empty (no estimator observes them)."""
+        """Add packed saves (summed in ``delta``) to the report; ``stats``: their group stats, one
+        tensor per save of ``quantized``, or concatenated where that is empty."""
         self.report.add(delta)
         self._graph_packed = True
         self.store.stats.extend(stats)
@@ -412,11 +396,9 @@ class ActivationCapture:
             NativeSaves.follow(capturing_now())
 
     def watch_ops(self, on: bool) -> None:
-        """Whether the op tracker sees the torch functions called from now on. The capture turns
-        it off while a compiled module runs and on again inside a module that one calls eagerly;
-        a caller whose whole step is compiled with no module call around it (Lightning's compiled
-        ``training_step``) turns it off after :meth:`start`. Off, a float tensor saved eagerly
-        outside any module is kept exact, its op unseen."""
+        """Whether the op tracker sees torch calls from now on. Off while compiled modules run (and
+        after :meth:`start` for a wholly compiled step, e.g. Lightning's compiled
+        ``training_step``): eager saves outside any module are then kept exact, their op unseen."""
         self._tracker.watch(on and self._active and not self.paused)
 
     @property
@@ -582,12 +564,10 @@ class ActivationCapture:
 
 
 class _SharedModuleHooks:
-    """One pair of global module hooks telling the capturing captures which module runs,
-    registered on the first start and kept for the process: Dynamo guards compiled modules on
-    global hooks, so hooks registered per session would recompile every step. Outside a session
-    they return at once; inside a graph being compiled they do nothing (graphs attribute saves
-    by the modules they record). They also switch the op trackers off while a compiled module
-    runs and on inside a module it calls eagerly (:meth:`ActivationCapture.watch_ops`).
+    """Global module hooks telling the capturing captures which module runs, and switching
+    their op trackers (:meth:`ActivationCapture.watch_ops`). Registered once per process: Dynamo
+    guards compiled modules on global hooks, so per-session hooks would recompile every step.
+    Inside a graph being compiled they do nothing (graphs record their modules).
     """
 
     capturing: list[ActivationCapture] = CAPTURING
@@ -606,11 +586,9 @@ class _SharedModuleHooks:
         # torch warns that global hooks fire again for a compiled wrapper; these hooks expect it.
         warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
 
-    # Where Dynamo runs code natively (a graph break, a frame it could not compile), its frame
-    # hook still compiles each frame entered, these hooks' included; traced, they would see
-    # is_compiling() and leave the tracker off through modules Dynamo runs natively (nn.GRU),
-    # whose saves were then kept exact. So the hooks run natively (set below), and watch a
-    # module whose forward Dynamo runs natively, not one it compiles.
+    # Where Dynamo runs code natively (graph breaks), its frame hook still compiles each frame
+    # entered; traced, these hooks would see is_compiling() and leave the tracker off through
+    # modules run natively (nn.GRU). So they run natively themselves (set below).
 
     @classmethod
     def _enter(cls, module: nn.Module, args: Any) -> None:
@@ -648,9 +626,8 @@ class _SharedModuleHooks:
             cls._switched.clear()
 
 
-# Never compiled by Dynamo's frame hook: ``_enter`` (which reads whether the hook is on) skips
-# only its own frame; the other hooks and the tracker's handler skip all they call too. Traced
-# module calls still inline the hooks.
+# ``_enter`` reads whether the frame hook is on, so only its own frame skips it; the rest skip
+# all they call. Traced module calls still inline the hooks.
 _NATIVE_FRAME = FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT)
 _NATIVE_CALLS = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
 for _function, _strategy in (
@@ -694,11 +671,9 @@ def _compiled_in_place(module: nn.Module) -> bool:
 
 
 def _switch_around_compiled_calls(modules: list[nn.Module]) -> None:
-    """Wrap the compiled call of each module compiled in place (``module.compile()``) in the op
-    tracker switch ``torch.compile(module)``'s wrapper gets from the module hooks. In place, the
-    hooks run inside the compiled code, where Dynamo traces them to nothing, so the tracker
-    stayed on and Dynamo traced its handler, which torch gets wrong. Wrapped once, for good:
-    outside a capture the switch does nothing."""
+    """Wrap each ``module.compile()``'d call in the tracker switch the module hooks give a
+    ``torch.compile(module)`` wrapper: in place the hooks run traced, as nothing, and Dynamo
+    would trace the tracker's handler, which torch gets wrong. Wrapped once, for good."""
     for module in modules:
         compiled = module._compiled_call_impl
         if compiled is None or getattr(compiled, "_lightning_act_switch", False):

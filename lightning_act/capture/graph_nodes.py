@@ -14,7 +14,6 @@ import torch.fx as fx
 from lightning_act.backward_reads import (
     ATTENTION_MASK,
     STATISTIC_RATIO,
-    PointwiseDerivative,
     Read,
     size_hint,
 )
@@ -29,6 +28,7 @@ from lightning_act.capture.decide import (
     SaveSite,
     decide_site,
 )
+from lightning_act.codecs.derivative import DerivativeSubstitute
 from lightning_act.ops.validation import FLOAT_DTYPES, MIN_GROUP_SIZE
 
 if TYPE_CHECKING:
@@ -386,7 +386,7 @@ def decide_saved_node(
     if decision.form is not Form.QUANTIZE:
         return decision
     substitute = decision.substitute
-    if isinstance(substitute, PointwiseDerivative):
+    if isinstance(substitute, DerivativeSubstitute):
         if substitute.source is not None:
             return decision
         decision = decision._replace(min_bits=NONLINEAR_BITS, substitute=None)

@@ -25,9 +25,10 @@ from lightning_act.capture.active import Capture, capturing_now, splitmix64
 from lightning_act.capture.decide import Form
 from lightning_act.capture.group_order import candidate_axes
 from lightning_act.capture.report import Outcome, ReportDelta, SlotMemory
-from lightning_act.codecs.exact import IndexCodec, IndexTensor, index_layout
+from lightning_act.codecs.derivative import DerivativeSubstitute
+from lightning_act.codecs.exact import IndexCodec, IndexTensor, MaskCodec, MaskTensor, index_layout
+from lightning_act.codecs.quant import GroupQuantCodec, QuantizedTensor
 from lightning_act.codecs.substitutes import ThresholdCells
-from lightning_act.ops.layout import pack_bit_fields, unpack_bit_fields
 from lightning_act.policy import SlotInfo
 
 __all__ = ["COMPILED_REGION", "NativeSaves", "PackedSave", "Plan", "SeedStream", "encode_plan", "parse_plan"]
@@ -77,8 +78,9 @@ class Plan(NamedTuple):
         """Whether its groups may run along an axis other than the last (three parts)."""
         return self.survey is not None or self.axis is not None
 
-    def substitute(self) -> PointwiseDerivative | None:
-        return None if self.derivative is None else PointwiseDerivative.from_source(*self.derivative)
+    def substitute(self) -> DerivativeSubstitute | None:
+        derivative = None if self.derivative is None else PointwiseDerivative.from_source(*self.derivative)
+        return None if derivative is None else DerivativeSubstitute.of(derivative)
 
 
 #: Prefix of a plan written in base64 (see :func:`encode_plan`).
@@ -100,8 +102,7 @@ class PackedSave(NamedTuple):
     plan: Plan
     #: One call: the packed tensor and the kept saves its plan carries (:attr:`Plan.kept`).
     delta: ReportDelta
-    #: One call that kept its tensor as it is instead (the batch): the kept saves, and the
-    #: tensor counted as alive anyway.
+    #: One call that kept its tensor (the batch) alive instead: the kept saves, and the tensor.
     kept_alive: ReportDelta
     #: For a quantized save (None for a mask or indices): its slot for the policy.
     slot_info: SlotInfo | None
@@ -229,8 +230,8 @@ def _restore(flat: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> 
 
 
 def _as_saved(kept: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
-    """An input kept alive instead of packed, with the sizes and strides of the tensor saved:
-    a plan may pack a view of it (a channels-last tensor's memory order as a matrix)."""
+    """An input kept alive instead of packed, with the saved tensor's sizes and strides (a plan
+    may pack a view of it)."""
     if list(kept.shape) == list(size):
         return kept
     return kept.as_strided(size, stride, kept.storage_offset())
@@ -239,16 +240,14 @@ def _as_saved(kept: torch.Tensor, size: Sequence[int], stride: Sequence[int]) ->
 # A tensor's cells, by the constants and dtype of its plan (checked once per process).
 _cells_of = functools.lru_cache(maxsize=None)(ThresholdCells.of)
 
-# The library's kernels, resolved once (they run for every packed tensor of every step).
-_QUANTIZE_PACK = torch.ops.lightning_act.quantize_pack.default
-_UNPACK_DEQUANTIZE = torch.ops.lightning_act.unpack_dequantize.default
+_quantizer = functools.cache(GroupQuantCodec)
 
 
 def _encode(x: torch.Tensor, plan: Plan, seed: int, axis: int | None = None) -> list[torch.Tensor]:
     if x.requires_grad:  # called eagerly (a compiled graph's tensors need no grad)
         x = x.detach()
     if plan.form is Form.MASK:
-        return [pack_bit_fields(_flat(x).view(torch.uint8), 1, planar=True)]
+        return [MaskCodec().pack(_flat(x), 0, 0).packed]
     if plan.form is Form.KEEP:
         return [x.new_empty(0)]
     if plan.form is Form.COPY:
@@ -259,18 +258,15 @@ def _encode(x: torch.Tensor, plan: Plan, seed: int, axis: int | None = None) -> 
     if plan.form is Form.CELLS:
         cells = _cells_of(plan.cells, x.dtype)
         return [IndexCodec().pack(cells.cell(_flat(x)), 0, 0, value_range=(0, cells.count - 1)).codes]
+    codec = _quantizer(plan.group_size)
     if not plan.along_axis:
-        return list(_QUANTIZE_PACK(_flat(x), plan.bits, plan.group_size, seed))
-    # Groups along ``axis``: read as matrices of its size by the product of the later sizes,
-    # column by column (x is contiguous: the plan says so). The matrices' shape goes with
-    # the codes, on the host, where unpack reads it without waiting for the device.
-    rows = columns = 0
-    source = x.view(-1)
-    if axis is not None and axis < x.dim() - 1:
-        rows, columns = x.shape[axis], x.shape[axis + 1 :].numel()
-        source = x.view(-1, rows, columns)
-    codes, stats = _QUANTIZE_PACK(source, plan.bits, plan.group_size, seed, rows > 0)
-    return [codes, stats, torch.tensor([rows, columns])]
+        record = codec.pack(_flat(x), plan.bits, seed)
+        return [record.codes, record.stats]
+    # Groups along ``axis`` (x is contiguous), or in memory order where it is the last. The
+    # matrices' shape goes with the codes on the host, so unpack reads it without a device sync.
+    along = axis if axis is not None and axis < x.dim() - 1 else None
+    record = codec.pack(x if along is not None else x.view(-1), plan.bits, seed, along)
+    return [record.codes, record.stats, torch.tensor(record.matrix)]
 
 
 # The graph ops, registered as plain dispatcher kernels (``torch.library.custom_op``'s Python
@@ -285,8 +281,7 @@ _LIBRARY.define(
     tags=(torch.Tag.nondeterministic_seeded, torch.Tag.cudagraph_unsafe),
 )
 _LIBRARY.define("unpack_saved(Tensor[] parts, SymInt[] size, SymInt[] stride, ScalarType dtype, str plan) -> Tensor")
-# The same kernels under their own names, which the C++ side (csrc/graph_saves.cpp) serving the
-# ops above calls for every case it leaves to Python.
+# The same kernels, which the C++ side (csrc/graph_saves.cpp) calls for cases it leaves to Python.
 _LIBRARY.define("pack_saved_python(Tensor input, str plan) -> Tensor[]")
 _LIBRARY.define(
     "unpack_saved_python(Tensor[] parts, SymInt[] size, SymInt[] stride, ScalarType dtype, str plan) -> Tensor"
@@ -347,7 +342,7 @@ def _decode(
     if plan.form is Form.COPY:
         flat = parts[0]
     elif plan.form is Form.MASK:
-        flat = unpack_bit_fields(parts[0], 1, planar=True, numel=numel).view(torch.bool)
+        flat = MaskTensor(parts[0], torch.Size([numel])).unpack()
     elif plan.form is Form.INDEX:
         width, offset = index_layout(*plan.index_range, dtype)
         flat = IndexTensor(parts[0], offset, width, torch.Size([numel]), dtype).unpack()
@@ -358,8 +353,9 @@ def _decode(
     elif plan.derivative is not None:
         flat = plan.substitute().restore_quantized(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype)
     else:
-        rows, columns = parts[2].tolist() if plan.along_axis else (0, 0)
-        flat = _UNPACK_DEQUANTIZE(parts[0], parts[1], plan.bits, plan.group_size, numel, dtype, rows, columns)
+        matrix = tuple(parts[2].tolist()) if plan.along_axis else (0, 0)
+        flat = QuantizedTensor(parts[0], parts[1], plan.bits, plan.group_size, torch.Size([numel]), dtype, matrix)
+        flat = flat.unpack()
     return _restore(flat, size, stride)
 
 
@@ -463,8 +459,8 @@ class NativeSaves:
     def learn(
         cls, plan: str, t: torch.Tensor, parts: list[torch.Tensor], capture: Capture, kept_alive: bool = False
     ) -> None:
-        """After Python packed ``t`` by ``plan`` for ``capture`` (or, ``kept_alive``, handed it
-        back unwritten): register what the C++ side can do alone from now on."""
+        """After Python packed ``t`` by ``plan`` (or handed it back, ``kept_alive``): register
+        what the C++ side can do alone from now on."""
         parsed = parse_plan(plan)
         if cls.owner is not capture or parsed.form not in _NATIVE_FORMS:
             return

@@ -80,15 +80,14 @@ class Probe:
         self._draws = 0
 
     def quantize_only(self, slot: str | None, bits: int, decoded: torch.Tensor | None = None) -> None:
-        """Quantize ``slot`` alone at ``bits`` in the following backward passes (with a
-        fresh rounding per read, or as ``decoded``: see :meth:`decode`)."""
+        """Quantize ``slot`` alone at ``bits`` in the following backward passes (a fresh rounding
+        per read, or ``decoded``)."""
         self.noisy_slot = slot
         self.bits = bits
         self.decoded = decoded
 
     def decode(self, slot: str, bits: int, seed: int | None = None) -> torch.Tensor:
-        """``slot``'s held tensor rounded once at ``bits`` (with ``seed``, else the next
-        one), as its record would decode it."""
+        """``slot``'s held tensor rounded once at ``bits``, as its record would decode it."""
         dense, codec, group_axis = self._held[slot]
         return codec.pack(dense, bits, self.next_seed() if seed is None else seed, group_axis).unpack()
 
@@ -116,8 +115,8 @@ class Probe:
 
 
 class SaveStore:
-    """Stores the saves of one capture (``capture``: what it reads of it, the report, policy,
-    slots and probe among them), one session at a time (:meth:`start`)."""
+    """Stores the saves of one capture (reading its report, policy, slots and probe), one session
+    at a time (:meth:`start`)."""
 
     def __init__(self, capture: Capture):
         self.capture = capture
@@ -148,8 +147,8 @@ class SaveStore:
         self.stats: list[torch.Tensor] = []
 
     def release(self) -> list[torch.Tensor]:
-        """Forget the copies kept for sharing (autograd alone holds each record from now on, so
-        backward frees it right after the node that reads it) and hand back the statistics."""
+        """Forget the copies kept for sharing (so backward frees each record right after its
+        reader) and hand back the statistics."""
         stats, self.stats, self._dedup = self.stats, [], {}
         return stats
 
@@ -253,9 +252,8 @@ class SaveStore:
         if cached is None or _storage_expired(cached.storage.cdata):
             return None
         if decision.row_group is not None and cached.rows not in (None, (decision.row_group, decision.row_layout)):
-            # A normalisation's input needs groups within its rows: a copy whose groups span
-            # rows would put a loud row's noise into a near-constant row, whose 1 / std
-            # multiplies it. Stored again, in its own rows.
+            # Groups spanning a normalisation's rows would put a loud row's noise into a
+            # near-constant row, whose 1 / std multiplies it: stored again, in its own rows.
             return None
         needed = self._terms_of(module, op, decision).needed
         if cached.view == (t.shape, t.stride()):
@@ -308,12 +306,10 @@ class SaveStore:
             self._supersede(earlier, later)
 
     def _supersede(self, earlier: Shared, later: Shared) -> None:
-        """Let an earlier save of the same view read the copy a later save stored with more bits,
-        and free the earlier copy, so every read of the tensor sees the same values: terms that
-        backward reads from two differently rounded copies no longer cancel (RMSNorm written out:
-        ``pow`` saves ``x`` before ``mul`` shows the normalisation). Only where the later copy serves
-        every use the earlier did (exact, or quantized at bits as high), no other view decodes
-        from the earlier record, and it holds no substitute."""
+        """Let an earlier save of the same view read a later save's copy with more bits, and free
+        the earlier one: terms backward reads from two differently rounded copies would not cancel
+        (RMSNorm written out: ``pow`` saves ``x`` before ``mul``). Only where the later copy serves
+        every use the earlier did, no other view decodes the earlier record, and no substitute."""
         old, new = earlier.saved, later.saved
         if (
             _storage_expired(earlier.storage.cdata)
@@ -345,9 +341,8 @@ class SaveStore:
             counts[Outcome.DEDUPLICATED.value] = counts.get(Outcome.DEDUPLICATED.value, 0) + 1
 
     def _terms_of(self, module: str, op: str | None, decision: Decision) -> _Terms:
-        """The codec and fewest bits of ``decision`` for a save by ``op`` in ``module``, found once
-        per decision (steps repeat their decisions) and keyed by its id (the entry holds the
-        decision, so no other object takes its id while the entry lives)."""
+        """The codec and fewest bits of ``decision`` for a save by ``op`` in ``module``, once per
+        decision, keyed by its id (the entry holds the decision, so the id stays unique)."""
         key = (module, op, id(decision))
         terms = self._terms.get(key)
         if terms is None or terms.policy is not self.capture.policy:
@@ -413,10 +408,9 @@ class SaveStore:
 
     def store_match_partner(self, t: torch.Tensor, call: TrackedCall, decision: Decision, module: str, ptr: int) -> Any:
         """A tensor matched saves of its call are compared with (``scatter_reduce`` amax's result).
-        Those take their outcomes against ``t`` itself; then ``t`` is stored at its bits and their
-        stand-ins are rebuilt from the stored copy, so backward's comparisons come out as with
-        exact tensors. Exact where one cannot store its outcome now, and while probing (a probed
-        copy is rounded again at each decode)."""
+        They take their outcomes against ``t`` itself, then ``t`` is stored at its bits and their
+        stand-ins are rebuilt from its copy, so comparisons come out as with exact tensors. Exact
+        where one cannot store its outcome now, and while probing (rounded again per decode)."""
         index = len(call.saved)
         call.saved.append((t.detach(), Form.KEEP))
         if call.waiting:
@@ -429,8 +423,7 @@ class SaveStore:
         )
         final = decision._replace(match_partner=()) if settled else Decision(Form.KEEP)
         if settled and t.device.type == "cpu" and bool(torch.isfinite(t).all()):
-            # Nothing for the finite stand-in to replace (on the CPU looking costs no sync): the
-            # copy then decodes to the tensor, and other saves of it may share it.
+            # Nothing to replace (on the CPU looking costs no sync): other saves may share it.
             final = final._replace(substitute=None)
         stored = self.store(t, call, final, module, ptr)
         call.saved[index] = (stored, final.form)
@@ -558,10 +551,8 @@ class SaveStore:
         slot: str,
         dense_bytes: int,
     ) -> Any:
-        """A slot the policy or a rule keeps exact: ``t`` itself or, where ``t`` views part of a
-        storage nothing else keeps for backward, a copy of its own values: kept as a view (an
-        attention's value, a third of ``qkv``'s output), it would hold the whole storage and
-        exceed what a plan counted."""
+        """A slot kept exact: ``t`` itself or, where ``t`` views part of a storage nothing else
+        keeps (a third of ``qkv``'s output), a copy, as the view would hold the whole storage."""
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if exact_form(storage.nbytes(), dense_bytes) is Form.KEEP or live(self._kept_storages, ptr):
@@ -580,8 +571,8 @@ class SaveStore:
 
 
 class _SlotPlan:
-    """What a slot's saves have in common from step to step: the decision, op and codec it
-    was described under, its description, and the last report entry it made."""
+    """What a slot's saves repeat from step to step: decision, op, codec, description and last
+    report entry."""
 
     __slots__ = ("decision", "op", "codec", "info", "memory")
 
@@ -623,9 +614,8 @@ class _Terms(NamedTuple):
 
 
 def _hold_until_read(t: torch.Tensor) -> None:
-    """Keep ``t``'s memory from reuse until the kernels just queued on the current stream read
-    it: the caller drops ``t`` at once, and a tensor from another stream would go back to that
-    stream's pool."""
+    """Keep ``t``'s memory from reuse until the kernels queued on the current stream read it: the
+    caller drops ``t`` at once, which would return it to its own stream's pool."""
     if t.is_cuda:
         t.record_stream(torch.cuda.current_stream(t.device))
 
