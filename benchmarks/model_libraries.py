@@ -144,9 +144,10 @@ def hf_llama(data: Path, checkpointing: bool = False, lora: bool = False) -> Wor
     return Workload(model, _seeded(lambda: model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss), tokens)
 
 
-def hf_mixtral(data: Path) -> Workload:
-    """A mixture of experts in bfloat16, its experts run through ``torch.nn.functional.grouped_mm``
-    (one matmul per group of routed tokens), as transformers runs them on a GPU."""
+def hf_mixtral(data: Path, dtype: torch.dtype = torch.bfloat16) -> Workload:
+    """A mixture of experts, its experts run through ``torch.nn.functional.grouped_mm`` (one matmul
+    per group of routed tokens), as transformers runs them on a GPU; in float32, torch's fake
+    kernel refuses the call its CPU kernel runs, and compiled, transformers runs its own op."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
@@ -162,7 +163,7 @@ def hf_mixtral(data: Path) -> Workload:
     )
     config._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
-    model = MixtralForCausalLM(config).to(torch.bfloat16).train()
+    model = MixtralForCausalLM(config).to(dtype).train()
     tokens = shakespeare_bytes(data, batch=8, length=64)
     return Workload(model, _seeded(lambda: model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss), tokens)
 
@@ -384,6 +385,7 @@ CASES: dict[str, Case] = {
     "hf_bert": _case("transformers", hf_bert),
     "hf_t5": _case("transformers", hf_t5),
     "hf_mixtral_bf16": _case("transformers", hf_mixtral),
+    "hf_mixtral_fp32": _case("transformers", hf_mixtral, dtype=torch.float32),
     "timm_mobilenetv3_small_100": _case("timm", timm_model, "mobilenetv3_small_100"),
     "timm_efficientnet_b0": _case("timm", timm_model, "efficientnet_b0"),
     "timm_convnext_atto": _case("timm", timm_model, "convnext_atto"),
@@ -503,6 +505,8 @@ class Measurement:
     seconds: float
     counts: dict = field(default_factory=dict)
     slots: list = field(default_factory=list)
+    #: The tensors kept whole because no trace could read them, by op: [tensors, bytes, why].
+    untraced: dict = field(default_factory=dict)
 
     @property
     def unbiased_ratio(self) -> float:
@@ -558,6 +562,7 @@ def measure(name: str, data: Path = DATA, seeds: int = SEEDS, compiled: bool = F
         time.perf_counter() - started,
         dict(report.counts),
         slots,
+        dict(report.untraced),
     )
 
 
@@ -666,6 +671,13 @@ def _results_of_run(args, path: Path) -> tuple[str, dict]:
     return " ".join(["python", *sys.argv]), results
 
 
+def _print_untraced(m: Measurement, mode: str) -> None:
+    """The tensors ``m``'s model kept whole because no trace could read them."""
+    where = f" {mode}" if mode else ""
+    for op, (tensors, stored, why) in m.untraced.items():
+        print(f"    kept whole{where}, untraced: {op}: {tensors} tensors, {stored / 2**20:.3f} MiB ({why})")
+
+
 def side_by_side(args) -> None:
     """Each case eager and compiled (inductor) in one process: what the compiled graphs store
     against what eager stores, with both gradients' 8-bit error and seed-mean ratio."""
@@ -688,6 +700,8 @@ def side_by_side(args) -> None:
                 f" {eager.unbiased_ratio:>5.2f} / {compiled.unbiased_ratio:.2f}",
                 flush=True,
             )
+            _print_untraced(eager, "eager")
+            _print_untraced(compiled, "compiled")
         results["cases"][name] = row
         args.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1))
@@ -735,6 +749,7 @@ def main():
             f" {m.unbiased_ratio:>5.2f}x {m.kept_ratio:>6.2f}x {m.peak_ratio:>5.3f} {m.seconds:>5.1f}",
             flush=True,
         )
+        _print_untraced(m, "")
         if m.error_8bit >= MAX_ERROR_8BIT or m.unbiased_ratio < MIN_UNBIASED_RATIO:
             row["culprits"] = find_culprits(name, args.data, args.culprit_seeds)
             for kind in ("ops", "slots"):

@@ -1111,3 +1111,101 @@ def test_a_fused_attention_with_dropout_stores_its_output():
     exact, (got,), report = _attention_gradients(8, dropout_p=0.3)
     assert "recomputed" not in report.counts
     assert max(((g - e).norm() / e.norm()).item() for g, e in zip(got, exact)) < 0.05
+
+
+_segments_library = torch.library.Library("lightning_act_segments", "DEF")
+_segments_library.define("scale(Tensor x, Tensor w, Tensor ends) -> Tensor")
+_segments_library.define("scale_backward(Tensor grad, Tensor x, Tensor w, Tensor ends) -> (Tensor, Tensor)")
+
+
+def _segments(ends):
+    start = 0
+    for i, end in enumerate(ends.tolist()):
+        yield i, slice(start, max(start, end))
+        start = max(start, end)
+
+
+@torch.library.impl(_segments_library, "scale", "CompositeExplicitAutograd")
+def _segments_scale(x, w, ends):
+    out = torch.zeros_like(x)
+    for i, rows in _segments(ends):
+        out[rows] = x[rows] * w[i]
+    return out
+
+
+@torch.library.impl(_segments_library, "scale_backward", "CompositeExplicitAutograd")
+def _segments_scale_backward(grad, x, w, ends):
+    grad_x, grad_w = torch.zeros_like(x), torch.zeros_like(w)
+    for i, rows in _segments(ends):
+        grad_x[rows] = grad[rows] * w[i]
+        grad_w[i] = (grad[rows] * x[rows]).sum(0)
+    return grad_x, grad_w
+
+
+@torch.library.register_fake("lightning_act_segments::scale_backward", lib=_segments_library)
+def _segments_scale_backward_fake(grad, x, w, ends):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _segments_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.ends = inputs[2]
+
+
+torch.library.register_autograd(
+    "lightning_act_segments::scale",
+    lambda ctx, grad: (*torch.ops.lightning_act_segments.scale_backward(grad, *ctx.saved_tensors, ctx.ends), None),
+    setup_context=_segments_setup,
+    lib=_segments_library,
+)
+
+
+def test_an_op_outside_aten_with_integer_arguments_is_measured_around_valid_indices():
+    """A grouped op's backward (rows ``ends[i-1]:ends[i]`` times the group's weights), outside
+    aten and taking integer offsets: measured with the offsets held at small sorted values, it
+    is linear in the rows and the weights, which are stored at any bits."""
+    x, w = grad_input(96, 32), grad_input(4, 32)
+    ends = torch.tensor([10, 40, 70, 96])
+    decisions = saves_of(torch.ops.lightning_act_segments.scale, x, w, ends)
+    assert [d.form for d in decisions] == [Form.QUANTIZE] * 2
+
+
+def _grouped_matmul():
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch has no _grouped_mm")
+    torch.manual_seed(0)
+    x, w = grad_input(96, 32), grad_input(4, 32, 16)
+    offsets = torch.tensor([10, 40, 70, 96], dtype=torch.int32)
+    try:
+        torch._grouped_mm(x, w, offs=offsets)
+    except RuntimeError as error:
+        pytest.skip(f"no float32 _grouped_mm on the CPU: {error}")
+    return x, w, offsets
+
+
+def test_a_call_its_fake_kernel_refuses_is_read_on_its_own_values():
+    """torch's fake ``_grouped_mm`` refuses float32, which its CPU kernel runs: the call is
+    traced on copies of its own values instead, and its saves are stored as any matmul's."""
+    x, w, offsets = _grouped_matmul()
+    decisions = saves_of(torch._grouped_mm, x, w, offs=offsets)
+    assert [d.form for d in decisions] == [Form.QUANTIZE, Form.INDEX, Form.QUANTIZE]
+
+
+def test_the_saves_no_trace_can_read_are_kept_whole_and_named_in_the_report(monkeypatch):
+    """Where neither trace can read a call (here: its values over the size traced for real),
+    its saves are kept as they are, and the report names the op, the bytes and why."""
+    from lightning_act.backward_reads import trace
+
+    x, w, offsets = _grouped_matmul()
+    monkeypatch.setattr(trace, "PROBE_NUMEL", 0)
+    monkeypatch.setattr(trace, "_cache", {})
+    monkeypatch.setattr(trace, "_UNTRACED", {})
+    with compress_activations(inputs=offsets, bits=2, min_numel=1) as capture:
+        out = torch._grouped_mm(x * 1, w * 1, offs=offsets)
+        (out * torch.randn_like(out)).sum().backward()
+    report = capture.report
+    tensors, stored, why = report.untraced["_grouped_mm"]
+    assert tensors == report.counts["untraced"] == 2
+    assert stored == (x.numel() + w.numel()) * 4
+    assert why == "RuntimeError: too large to trace on its own values"
+    assert "_grouped_mm: 2 tensors" in report.summary()

@@ -50,7 +50,7 @@ that derivative.
 from lightning_act.backward_reads.aten import in_fresh_thread, size_hint
 from lightning_act.backward_reads.derivative import PointwiseDerivative
 from lightning_act.backward_reads.linearity import linear_arguments, probe_cost
-from lightning_act.backward_reads.trace import call_reads, classify, graph_reads, is_tangent
+from lightning_act.backward_reads.trace import call_reads, classify, graph_reads, is_tangent, untraced_reason
 from lightning_act.backward_reads.walk import ATTENTION_MASK, STATISTIC_RATIO, Match, Read, Recompute, Saves, Use
 
 __all__ = [
@@ -70,4 +70,5 @@ __all__ = [
     "linear_arguments",
     "probe_cost",
     "size_hint",
+    "untraced_reason",
 ]

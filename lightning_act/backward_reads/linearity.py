@@ -32,8 +32,8 @@ _log = logging.getLogger(__name__)
 
 def linear_arguments(node: fx.Node) -> frozenset[int] | None:
     """The positions, among ``node``'s flattened arguments, of the tensors it is linear in,
-    each with the others held. None where it cannot be measured: an integer tensor argument
-    (no value to draw), arguments too large, or an error. Cached per op and signature."""
+    each with the others held. None where it cannot be measured: arguments too large, or an
+    error. Cached per op and signature."""
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in flat]
     key = (node.target, tuple((v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else v for v in vals))
@@ -62,16 +62,24 @@ def probe_cost() -> dict[str, float]:
 
 
 def _measure_linearity(op: Callable, vals: list, spec) -> frozenset[int] | None:
-    tensors = [i for i, v in enumerate(vals) if isinstance(v, torch.Tensor)]
-    if any(not vals[i].is_floating_point() for i in tensors):
+    every = [i for i, v in enumerate(vals) if isinstance(v, torch.Tensor)]
+    tensors = [i for i in every if vals[i].is_floating_point()]
+    held = [i for i in every if i not in tensors]
+    if any(vals[i].is_complex() or vals[i].dtype == torch.bool for i in held) or not tensors:
         return None
-    if sum(vals[i].numel() for i in tensors) > PROBE_NUMEL:
+    if sum(vals[i].numel() for i in every) > PROBE_NUMEL:
         return None
+    # Integer arguments (indices, offsets) are held at small sorted values, valid as an index
+    # into every dimension of the float arguments: the float arguments are measured around them.
+    bound = min((size for i in tensors for size in vals[i].shape), default=1)
     for dtype in (torch.float64, torch.float32):
         generator = torch.Generator().manual_seed(0)
         values = list(vals)
         for i in tensors:
             values[i] = torch.randn(vals[i].shape, dtype=dtype, generator=generator)
+        for i in held:
+            drawn = torch.randint(0, max(bound, 1), (vals[i].numel(),), generator=generator).sort().values
+            values[i] = drawn.to(vals[i].dtype).view(vals[i].shape)
 
         def run(moved: dict[int, torch.Tensor]) -> list[torch.Tensor]:
             args, kwargs = pytree.tree_unflatten([moved.get(i, v) for i, v in enumerate(values)], spec)

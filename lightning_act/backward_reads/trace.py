@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import operator
 import threading
 import weakref
@@ -31,6 +32,27 @@ class _Traced(NamedTuple):
 
 
 _cache: dict[Any, _Traced | None] = {}
+# Why a function's calls could not be traced at all, by function (the first reason met).
+_UNTRACED: dict[Any, str] = {}
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors():
+    """Without torch's log of a fake kernel that raised: the call is then traced another way."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def untraced_reason(func: Any) -> str | None:
+    """Why calls of ``func`` could be traced neither on fake tensors nor on their own values."""
+    return _UNTRACED.get(func)
+
+
 _cache_lock = threading.Lock()
 
 
@@ -95,6 +117,7 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
     distinct = [positions[shared.index(k)] for k in range(max(shared, default=-1) + 1)]
     requires = [flat[i].requires_grad for i in distinct]
     saves: list[tuple[torch.dtype, int]] = []
+    autocasts = [autocast]  # the autocast each trace runs the call under
 
     def joint(*tensors):
         saves.clear()
@@ -119,7 +142,7 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
 
         with contextlib.ExitStack() as stack:
             # The call's own autocast, so that it casts and saves as it does for real.
-            for device, dtype, cache in autocast:
+            for device, dtype, cache in autocasts[0]:
                 stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
             out = func(*call_args, **call_kwargs)
@@ -134,10 +157,23 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
     rng = torch.random.get_rng_state()
     try:
         with torch.enable_grad():
-            gm = make_fx(joint, tracing_mode="fake", decomposition_table=_backward_decompositions())(
-                *[flat[i] for i in distinct]
-            )
-    except Exception:
+            try:
+                with _quiet_fake_tensors():
+                    gm = make_fx(joint, tracing_mode="fake", decomposition_table=_backward_decompositions())(
+                        *[flat[i] for i in distinct]
+                    )
+            except Exception as error:
+                # A fake kernel narrower than the real one (a dtype it refuses, a data-dependent
+                # shape, an extension op with none): the call is traced on its own values instead,
+                # CPU copies of them (no device memory), with the CPU's autocast alone.
+                values = [flat[i] for i in distinct]
+                if sum(v.numel() for v in values) > PROBE_NUMEL:
+                    raise RuntimeError("too large to trace on its own values") from error
+                autocasts[0] = tuple(entry for entry in autocast if entry[0] == "cpu")
+                copies = [v.detach().to("cpu", copy=True) for v in values]
+                gm = make_fx(joint, tracing_mode="real", decomposition_table=_backward_decompositions())(*copies)
+    except Exception as error:
+        _UNTRACED.setdefault(func, f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
         return None
     finally:
         torch.random.set_rng_state(rng)

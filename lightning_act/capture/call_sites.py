@@ -14,6 +14,7 @@ from lightning_act.backward_reads import (
     Read,
     Use,
     call_reads,
+    untraced_reason,
 )
 from lightning_act.capture.decide import (
     BATCH_NORM_OPS,
@@ -509,12 +510,13 @@ def site_of_call(t: torch.Tensor, call: TrackedCall | None, layout: Layout | Non
     elif (channel := _batch_norm_row(t, call)) is not None:
         normalized = Normalized(channel, channels=True)
     softmax_row = _softmax_row(t)
+    read = read_of(t, call)
     return SaveSite(
         t.dtype,
         numel,
         layout is not None,
         contiguous,
-        read_of(t, call),
+        read,
         zero_exact=call.name in ZERO_EXACT_OPS,
         softmax=call.name in SOFTMAX_OPS or softmax_row is not None,
         normalized=normalized,
@@ -523,4 +525,5 @@ def site_of_call(t: torch.Tensor, call: TrackedCall | None, layout: Layout | Non
         sign_only=call.name in _SIGN_ONLY_OPS,
         interval=_interval(t, call),
         dropout_keep=_dropout_keep_probability(call) if call.name in _DROPOUT_OPS else None,
+        untraced=untraced_reason(call.func) if read is None and call.reads is None else None,
     )

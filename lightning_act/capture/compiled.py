@@ -567,7 +567,7 @@ class GraphPlan:
                 op,
                 decision.min_bits,
                 survey=survey,
-                axis=decision.group_axis,
+                group_axis=decision.group_axis,
                 channels_last=decision.channels_last,
             ),
             Outcome.COMPRESSED,

@@ -216,6 +216,8 @@ class Decision(NamedTuple):
     #: With ``group_axis`` 0: a channels-last BatchNorm input, read in memory order as one
     #: matrix of a channel's values by the channels, so each group holds one channel.
     channels_last: bool = False
+    #: Kept whole because its call's backward could not be traced: why.
+    untraced: str | None = None
 
 
 def row_grouping(row: int, group_size: int, bits: int) -> tuple[int, int]:
@@ -276,6 +278,8 @@ class SaveSite(NamedTuple):
     #: measured instead (on the CPU: no device synchronisation).
     index_range: tuple[int, int] | None = None
     measures_range: bool = False
+    #: Why its call's backward could not be traced (its saves are then kept whole).
+    untraced: str | None = None
 
 
 def decide_site(site: SaveSite, *, min_numel: int) -> Decision:
@@ -347,4 +351,4 @@ def decide_site(site: SaveSite, *, min_numel: int) -> Decision:
 
 
 def _exact(site: SaveSite) -> Decision:
-    return Decision(Form.STATISTIC if site.statistic else Form.KEEP)
+    return Decision(Form.STATISTIC if site.statistic else Form.KEEP, untraced=site.untraced)

@@ -66,7 +66,7 @@ class Plan(NamedTuple):
     index_range: tuple[int, int] | None = None
     #: QUANTIZE: the axis its groups run along, decided with the plan (``Decision.group_axis``:
     #: a BatchNorm input's batch axis), not surveyed; a third part records the matrices.
-    axis: int | None = None
+    group_axis: int | None = None
     #: CELLS: the constants backward compares the tensor with (:class:`ThresholdCells`).
     cells: tuple[float, ...] | None = None
     #: QUANTIZE with ``axis`` 0 (:attr:`Decision.channels_last`): packed as its memory order
@@ -76,7 +76,7 @@ class Plan(NamedTuple):
     @property
     def along_axis(self) -> bool:
         """Whether its groups may run along an axis other than the last (three parts)."""
-        return self.survey is not None or self.axis is not None
+        return self.survey is not None or self.group_axis is not None
 
     def substitute(self) -> DerivativeSubstitute | None:
         derivative = None if self.derivative is None else PointwiseDerivative.from_source(*self.derivative)
@@ -320,7 +320,7 @@ def _pack_saved(input: torch.Tensor, plan: str) -> list[torch.Tensor]:
             NativeSaves.learn(plan, input, parts, capture, kept_alive=True)
             return parts
         # The plan's group axis, or a surveyed slot's (None, memory order, while surveyed).
-        axis = parsed.axis
+        axis = parsed.group_axis
         if parsed.survey is not None and capture is not None:
             axis = capture.group_orders.order(parsed.survey, input, parsed.bits)
         parts = _encode(input, parsed, SeedStream.next(), axis)
@@ -487,7 +487,7 @@ class NativeSaves:
                 torch.ops.lightning_act.graph_native_decoder(
                     plan, form, bits, parsed.group_size, parsed.along_axis, offset
                 )
-        axis, kept_only = parsed.axis, False
+        axis, kept_only = parsed.group_axis, False
         if parsed.survey is not None:
             orders = capture.group_orders
             if parsed.survey in orders.axis:

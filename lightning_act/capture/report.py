@@ -25,6 +25,8 @@ class Outcome(enum.Enum):
     RECAST = "recast"
     #: Kept as it is (too small, overlapping elements, a dtype no codec takes, a cast parameter).
     KEPT = "kept"
+    #: Kept as it is because no trace could read how backward uses it (:attr:`CompressionReport.untraced`).
+    UNTRACED = "untraced"
     #: Kept exact because the policy, a rule or a probe says so.
     EXACT = "exact"
     #: A reduction statistic, kept exact.
@@ -44,7 +46,7 @@ class Outcome(enum.Enum):
         #: The value again (an enum's ``value`` is a property).
         self.key = value
         #: Whether the saved tensor's own storage stays allocated for backward.
-        self.keeps_storage = value in ("kept", "exact", "statistic")
+        self.keeps_storage = value in ("kept", "untraced", "exact", "statistic")
         #: Whether its tensors are in the byte totals and the per-module rows.
         self.counted = value not in ("parameter", "external")
 
@@ -62,6 +64,7 @@ _DESCRIPTIONS = {
     Outcome.EXACT: "kept exact by a rule or the policy",
     Outcome.STATISTIC: "normalization or softmax statistics kept exact",
     Outcome.KEPT: "kept as they are (small, or no codec takes them)",
+    Outcome.UNTRACED: "kept as they are: no trace could read how backward uses them (listed below)",
     Outcome.RECAST: "low-precision copies of parameters, re-made in backward",
     Outcome.PARAMETER: "parameters or their views",
     Outcome.EXTERNAL: "from the batch or buffers",
@@ -207,6 +210,9 @@ class CompressionReport:
     slots: dict[str, SlotMemory] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     nonfinite_groups: torch.Tensor | int = 0
+    #: The tensors kept whole because their op's backward could not be traced, by op:
+    #: ``[tensors, stored bytes, why]``.
+    untraced: dict[str, list] = field(default_factory=dict)
     _modules: dict[str, ModuleMemory] = field(default_factory=dict, repr=False)
     #: Saves counted by :meth:`count` whose per-module rows are not folded into ``_modules`` yet.
     _counted: list[tuple] = field(default_factory=list, repr=False)
@@ -222,10 +228,16 @@ class CompressionReport:
         stored: int,
         bits: Any = NO_BITS,
         codec: str | None = None,
+        untraced: str | None = None,
     ) -> None:
         """Count one tensor of ``module``, saved by ``op``: ``saved`` bytes autograd would keep,
-        ``stored`` bytes stored instead, at ``bits`` (None: exact) by ``codec``. Totals now; its
-        module's row only when the rows are read (at logging steps, not every step)."""
+        ``stored`` bytes stored instead, at ``bits`` (None: exact) by ``codec``; ``untraced``:
+        why its op could not be traced. Totals now; its module's row only when the rows are
+        read (at logging steps, not every step)."""
+        if untraced is not None:
+            entry = self.untraced.setdefault(op or "-", [0, 0, untraced])
+            entry[0] += 1
+            entry[1] += stored
         key = outcome.key
         self.counts[key] = self.counts.get(key, 0) + 1
         self.saved_bytes += saved
@@ -340,6 +352,11 @@ class CompressionReport:
         uncounted = counts(False)
         if uncounted:
             lines.append("not in the table, alive anyway: " + ", ".join(f"{text}: {n}" for n, text in uncounted))
+        if self.untraced:
+            lines.append("kept whole, no trace could read how backward uses them:")
+            lines += [
+                f"  {op}: {n} tensors, {stored / MIB:.3f} MiB ({why})" for op, (n, stored, why) in self.untraced.items()
+            ]
         return lines
 
 

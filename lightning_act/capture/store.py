@@ -162,10 +162,12 @@ class SaveStore:
         copied: bool = False,
         bits: Any = NO_BITS,
         codec: str | None = None,
+        untraced: str | None = None,
     ) -> None:
         """Add one saved tensor, saved by ``op`` in ``module``, to the report, stored at ``bits``
         (None: exact) by ``codec``; its storage counts once however often saved. ``copied``: a
-        tensor its outcome keeps, kept as a copy of ``stored`` bytes instead."""
+        tensor its outcome keeps, kept as a copy of ``stored`` bytes instead. ``untraced``: why
+        its op could not be traced."""
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         saved = 0
@@ -180,7 +182,7 @@ class SaveStore:
             else:
                 self._kept_storages[ptr] = seen
                 stored = storage.nbytes()
-        self.capture.report.count(module, op, outcome, saved, stored, bits, codec)
+        self.capture.report.count(module, op, outcome, saved, stored, bits, codec, untraced)
 
     def count_uncounted(self, outcome: Outcome) -> None:
         """Count a tensor that stays alive anyway: it is in neither byte total."""
@@ -215,7 +217,12 @@ class SaveStore:
             self._account(module, op, t, Outcome.DEDUPLICATED, 0)
             return shared
         if form is Form.KEEP or form is Form.STATISTIC:
-            self._account(module, op, t, Outcome.KEPT if form is Form.KEEP else Outcome.STATISTIC, 0)
+            if form is Form.STATISTIC:
+                self._account(module, op, t, Outcome.STATISTIC, 0)
+            elif decision.untraced is None:
+                self._account(module, op, t, Outcome.KEPT, 0)
+            else:
+                self._account(module, op, t, Outcome.UNTRACED, 0, untraced=decision.untraced)
             kept = t.detach()
             self._share(key, region, t, t, kept, decision, None)  # later saves need no copy
             return kept
