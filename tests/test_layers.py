@@ -1,5 +1,5 @@
-"""The package's layers call only down: no import circle (type-only imports counted), and no
-module reaches into another module's underscore-named members."""
+"""The package's layers call only down: no import circle (type-only imports counted), no module
+reaching into another module's underscore-named members, and no source file over 900 lines."""
 
 from __future__ import annotations
 
@@ -123,3 +123,9 @@ def test_no_module_calls_another_modules_private_members():
             ):
                 reaches.append(f"{name}:{node.lineno}: .{node.attr}")
     assert not reaches, "\n".join(reaches)
+
+
+def test_no_source_file_is_over_900_lines():
+    sources = [*PACKAGE.rglob("*.py"), *(p for p in (PACKAGE.parent / "csrc").iterdir() if p.is_file())]
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in sources if (n := len(p.read_text().splitlines())) > 900}
+    assert not long, long
