@@ -10,7 +10,8 @@ on real data. For each model:
   the exact one than one seed's (sqrt(16) = 4x for an unbiased estimate, 1x for pure bias);
 * the forward keeps at least 6x less memory at 2 bits, measured by the profiler (the saved
   tensors of every model here are mostly fp32 activations, 15x smaller at 2 bits);
-* the peak of forward + backward is never above no compression's.
+* the peak of forward + backward is never above no compression's;
+* every call's backward is read by a trace (none of its saves kept whole for lack of one).
 
 The measurement is ``benchmarks/model_libraries.py``'s (its ``find_culprits`` names the saved
 tensors behind a failure). A criterion a model misses today is an expected failure (strict:
@@ -168,6 +169,12 @@ def test_peak_memory_not_above_none(measured):
     assert measured.peak_bytes_2bit <= measured.peak_bytes_none, (
         f"{measured.peak_bytes_none / 2**20:.2f} MiB -> {measured.peak_bytes_2bit / 2**20:.2f} MiB"
     )
+
+
+@_criterion("traced")
+def test_every_call_is_read_by_a_trace(measured):
+    """No saved tensor is kept whole for lack of a trace: the report names any that are."""
+    assert measured.untraced == {}
 
 
 @pytest.mark.slow
