@@ -166,14 +166,13 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
                 # A fake kernel narrower than the real one (a dtype it refuses, a data-dependent
                 # shape, an extension op with none): the call is traced on its own values instead,
                 # CPU copies of them (no device memory), with the CPU's autocast alone.
-                values = [flat[i] for i in distinct]
-                if sum(v.numel() for v in values) > PROBE_NUMEL:
+                copies = _cpu_copies([flat[i] for i in distinct])
+                if copies is None:
                     raise RuntimeError("too large to trace on its own values") from error
-                autocasts[0] = tuple(entry for entry in autocast if entry[0] == "cpu")
-                copies = [v.detach().to("cpu", copy=True) for v in values]
+                autocasts[0] = _cpu_autocast(autocast)
                 gm = make_fx(joint, tracing_mode="real", decomposition_table=_backward_decompositions())(*copies)
     except Exception as error:
-        _UNTRACED.setdefault(func, f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
+        _UNTRACED.setdefault(func, f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}")
         return None
     finally:
         torch.random.set_rng_state(rng)
@@ -212,6 +211,19 @@ def _trace(func: Callable, args: tuple, kwargs: dict, autocast: tuple) -> _Trace
     return _Traced(_with_recomputes(_with_matches(reads, slots), slots, saves, given), tuple(saves))
 
 
+def _cpu_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """CPU copies of a call's own tensors, to run it on values it already ran on (no device
+    memory, no forked process); None beyond ``PROBE_NUMEL`` values in all."""
+    if sum(t.numel() for t in tensors) > PROBE_NUMEL:
+        return None
+    return [t.detach().to("cpu", copy=True) for t in tensors]
+
+
+def _cpu_autocast(autocast: tuple) -> tuple:
+    """The CPU's part of a call's autocast, which its CPU copies run under."""
+    return tuple(entry for entry in autocast if entry[0] == "cpu")
+
+
 #: :attr:`Read.reason` of a save the traced backward does not use and the real one reads.
 _UNTRACED_BRANCH = "read by a branch the trace did not take"
 
@@ -232,10 +244,9 @@ def _slots_read_for_real(
     Run on CPU copies of the call's own arguments, values it already ran on, so no forked
     process is needed (nor could one run backward once autograd's threads have started).
     None where it cannot be measured (no CPU kernel, other saves than traced)."""
-    tensors = [flat[i] for i in positions]
-    if sum(t.numel() for t in tensors) > PROBE_NUMEL:
+    copies = _cpu_copies([flat[i] for i in positions])
+    if copies is None:
         return None
-    copies = [t.detach().to("cpu", copy=True) for t in tensors]
     generator = torch.Generator().manual_seed(0)
 
     def gradients(
@@ -263,9 +274,8 @@ def _slots_read_for_real(
 
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
-            for device, dtype, cache in autocast:
-                if device == "cpu":
-                    stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
+            for device, dtype, cache in _cpu_autocast(autocast):
+                stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
             out = func(*call_args, **call_kwargs)
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.grad_fn is not None]
