@@ -135,7 +135,7 @@ int64_t next_seed_locked(State& s) {
   return static_cast<int64_t>(splitmix64(s.seed_base + s.seed_count) >> 1);
 }
 
-// Whether the layout is a permutation of dense (compiled._memory_order).
+// Whether the layout is a permutation of dense (graph_ops._memory_order).
 bool memory_order(at::IntArrayRef size, at::IntArrayRef stride) {
   int64_t contiguous = 1;  // the common case first: row-major
   bool row_major = true;
@@ -157,7 +157,7 @@ bool memory_order(at::IntArrayRef size, at::IntArrayRef stride) {
   return true;
 }
 
-// x's values in the order restore() puts them back in (compiled._flat).
+// x's values in the order restore() puts them back in (graph_ops._flat).
 at::Tensor flat(const at::Tensor& x) {
   if (x.is_contiguous()) return x;
   if (memory_order(x.sizes(), x.strides())) return x.as_strided({x.numel()}, {1});
@@ -228,10 +228,11 @@ at::Tensor decode_derivative(const Decoder& decoder, const at::Tensor& codes, co
   return lookup_levels_op().call(codes, table.view({groups, levels}), decoder.bits, decoder.group_size, numel);
 }
 
-// compiled._restore: the tensor of ``size`` and ``stride`` from its values in memory order.
+// graph_ops._restore: the saved tensor from its values in memory order, row-major where its
+// strides leave gaps (graph_ops.unpacked_stride).
 at::Tensor restore(const at::Tensor& flat_values, at::IntArrayRef size, at::IntArrayRef stride) {
   if (memory_order(size, stride)) return flat_values.as_strided(size, stride);
-  return at::empty_strided(size, stride, flat_values.options()).copy_(flat_values.view(size));
+  return flat_values.view(size);
 }
 
 // ops.layout.pack_bit_fields(codes, bits, planar=True), op for op, so the bytes match.
@@ -384,8 +385,10 @@ at::Tensor unpack_saved(at::TensorList parts, c10::SymIntArrayRef sym_size, c10:
     if (kept.defined()) {
       // A kept-alive input, viewed as the saved tensor (a plan may pack a view of it).
       const at::IntArrayRef size = C10_AS_INTARRAYREF_SLOW(sym_size);
-      if (kept.sizes() == size) return kept;
-      return kept.as_strided(size, C10_AS_INTARRAYREF_SLOW(sym_stride), kept.storage_offset());
+      at::Tensor view = kept.sizes() == size ? kept
+                                             : kept.as_strided(size, C10_AS_INTARRAYREF_SLOW(sym_stride),
+                                                               kept.storage_offset());
+      return memory_order(view.sizes(), view.strides()) ? view : view.contiguous();
     }
     const auto found = s.decoders.find(std::string(plan));
     native = found != s.decoders.end();

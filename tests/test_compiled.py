@@ -1,5 +1,5 @@
 """Compression inside ``torch.compile`` graphs: decided from the compiled backward graph,
-packed by graph ops, fresh noise every step, no recompiles, the recorded strides back, and
+packed by graph ops, fresh noise every step, no recompiles, the strides the fake says back, and
 the same results through the Lightning callback."""
 
 from __future__ import annotations
@@ -377,7 +377,8 @@ def test_dynamic_shapes_compress_every_batch_size():
 @pytest.mark.parametrize("make", ["strided", "channels_last", "expanded"])
 def test_the_backward_gets_each_saved_tensor_with_its_recorded_strides(make):
     """Inductor asserts the size and strides of what it saved: a view with gaps (a class
-    token), a channels-last map, an expanded tensor (kept) all come back as recorded."""
+    token, back row-major), a channels-last map, an expanded tensor (kept) all come back as
+    the unpack op's fake says."""
 
     class Saves(nn.Module):
         def __init__(self):
@@ -488,6 +489,58 @@ def test_pack_and_unpack_ops_round_trip_masks_exactly_and_floats_within_a_step()
     assert (back - x).abs().max() <= (x.amax() - x.amin()) / 255 * 1.01
     again = torch.ops.lightning_act.pack_saved(x, plan)
     assert not torch.equal(again[0], parts[0])  # fresh noise each call
+
+
+def test_a_save_with_gaps_comes_back_row_major_as_its_fake_says():
+    """A part of a larger tensor (what ``split`` hands out) comes back without its gaps: with
+    them, unpack would allocate the whole tensor's span for each part."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    part = torch.randn(64, 80)[:, 40:]
+    plan = encode_plan(Plan(Form.QUANTIZE, 8, 256, "m", "m#0", None, 1))
+    parts = torch.ops.lightning_act.pack_saved(part, plan)
+    args = (list(part.shape), list(part.stride()), part.dtype, plan)
+    back = torch.ops.lightning_act.unpack_saved(parts, *args)
+    assert back.is_contiguous() and back.untyped_storage().nbytes() == part.numel() * 4
+    assert (back - part).abs().max() <= (part.amax() - part.amin()) / 255 * 1.01
+    with FakeTensorMode() as mode:
+        fake = torch.ops.lightning_act.unpack_saved([mode.from_tensor(p) for p in parts], *args)
+    assert fake.stride() == back.stride()
+
+
+class GatedMLP(nn.Module):
+    """A gated MLP whose gate and up projections are one matmul, split (as many LLMs write it)."""
+
+    def __init__(self, width: int = 32, hidden: int = 64):
+        super().__init__()
+        self.gate_up = nn.Linear(width, 2 * hidden)
+        self.down = nn.Linear(hidden, width)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.head(self.down(F.silu(gate) * up).mean(1))
+
+
+@pytest.mark.slow  # 4 s
+def test_a_graph_saves_the_parts_of_a_split_each_as_backward_reads_it():
+    """Min-cut saves the matmul's output whole, which backward reads through SiLU's derivative
+    in one half: 8 bits for all of it. In a session the halves are saved instead, the gate as
+    its derivative and the other half linearly, both at 2 bits, as eager stores them."""
+    model = seeded(GatedMLP)
+    run = torch.compile(model, backend="inductor")
+    x, y = torch.randn(8, 64, 32), torch.randint(0, 10, (8,))
+    exact = exact_grads(model, run, x, y)
+    report, grads = step(model, run, x, y, bits=8)
+    assert rel_err(grads, exact) < 1e-2
+    report, _ = step(model, run, x, y, bits=2)
+    assert {slot.bits for slot in report.slots.values()} == {2}, report.summary()
+    half = 8 * 64 * 64 * 4
+    assert report.stored_bytes < half / 3, report.summary()
+    steps = [step(model, run, x, y, bits=2)[1] for _ in range(16)]
+    one = sum(rel_err(g, exact) for g in steps) / len(steps)
+    assert one / rel_err(torch.stack(steps).mean(0), exact) > 3.0
 
 
 def test_the_op_tracker_is_off_while_a_compiled_module_runs_and_on_in_its_eager_modules():

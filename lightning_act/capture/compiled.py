@@ -50,7 +50,7 @@ from lightning_act.capture.graph_nodes import (
     softmax_row,
     target_name,
 )
-from lightning_act.capture.graph_ops import Plan, encode_plan, parse_plan
+from lightning_act.capture.graph_ops import Plan, encode_plan, parse_plan, unpacked_stride
 from lightning_act.capture.group_order import candidate_axes
 from lightning_act.capture.records import unpack as unpack_eager
 from lightning_act.capture.report import Outcome
@@ -88,10 +88,11 @@ def _pack(x: torch.Tensor, state: str) -> Any:
         # input for the op's part before it, and the forward's outputs must match that order.
         return (_KEPT, torch.ops.lightning_act.pack_saved(x, plan), x)
     if parsed.derivative is not None:
-        # Traced here into the graph's own ops; stored and restored in x's memory order.
+        # Traced here into the graph's own ops; stored in the memory order unpack restores.
         stored = parsed.substitute().of_input(x)
-        if stored.stride() != x.stride():
-            stored = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(stored)
+        stride = unpacked_stride(x.shape, x.stride())
+        if stored.stride() != tuple(stride):
+            stored = torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(stored)
     elif parsed.channels_last:
         # A (values per channel, channels) view of its memory: groups run down each channel.
         stored = x.movedim(1, -1).reshape(-1, x.shape[1])
@@ -297,9 +298,10 @@ class CheaperSaves:
 
 @contextlib.contextmanager
 def _saving_marked_outcomes() -> Iterator[None]:
-    """Min-cut, also saving the backward-side nodes marked ``MUST_SAVE``: min-cut honours the
-    mark only on forward nodes, and never saves a node computed from saves alone (an equality
-    outcome), whose inputs it keeps anyway. Saved, the outcome frees those inputs' exact copy.
+    """Min-cut, also saving the nodes marked ``MUST_SAVE`` that it does not: min-cut honours the
+    mark only on forward nodes other than ``getitem``, and never saves a node computed from saves
+    alone (an equality outcome), whose inputs it keeps anyway. Saved, the outcome frees those
+    inputs' exact copy.
     """
     from torch._functorch import partitioners
     from torch.utils.checkpoint import CheckpointPolicy
@@ -307,18 +309,36 @@ def _saving_marked_outcomes() -> Iterator[None]:
     choose = partitioners.choose_saved_values_set
 
     def choose_with_outcomes(joint_graph: fx.Graph, node_info: Any, *args: Any, **kwargs: Any) -> list[fx.Node]:
-        saved = choose(joint_graph, node_info, *args, **kwargs)
-        return saved + [
-            n
-            for n in joint_graph.nodes
-            if n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE and node_info.is_unclaimed(n) and n not in saved
-        ]
+        marked = {n for n in joint_graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE}
+        saved: list[fx.Node] = []
+        for node in choose(joint_graph, node_info, *args, **kwargs):
+            # A save read only through marked parts (the tensors a ``split`` hands out, which
+            # min-cut never bans from recomputing): the parts instead, each stored as read.
+            parts = _marked_parts(node, marked) or [node]
+            saved.extend(p for p in dict.fromkeys(parts) if p not in saved)
+        return saved + [n for n in joint_graph.nodes if n in marked and node_info.is_unclaimed(n) and n not in saved]
 
     partitioners.choose_saved_values_set = choose_with_outcomes
     try:
         yield
     finally:
         partitioners.choose_saved_values_set = choose
+
+
+def _marked_parts(node: fx.Node, marked: set[fx.Node]) -> list[fx.Node] | None:
+    """The marked tensors every reader of ``node`` reaches through views and ops handing out a
+    list of views (``split``), or None where a reader reaches none."""
+    parts: list[fx.Node] = []
+    for user in node.users:
+        if user in marked:
+            parts.append(user)
+            continue
+        listed = not isinstance(user.meta.get("val"), torch.Tensor)
+        below = _marked_parts(user, marked) if listed or target_name(user.target) in VIEW_OPS else None
+        if not below:
+            return None
+        parts.extend(below)
+    return parts
 
 
 def _saves_cost(

@@ -3,7 +3,8 @@ a compiled graph calls where it saves a tensor for backward and where backward r
 told how by a *plan* (:class:`Plan`, a string baked into the graph, so a graph from torch's AOT
 autograd cache runs in a new process). The common case runs in C++ (:class:`NativeSaves`). Pack
 rounds with fresh noise every call and counts what it stored in the session's report; unpack
-returns exactly the sizes and strides the graph recorded (inductor asserts them)."""
+returns the sizes the graph recorded, and the strides :func:`unpacked_stride` says (inductor
+asserts them)."""
 
 from __future__ import annotations
 
@@ -223,18 +224,25 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(-1)
 
 
+def unpacked_stride(size: Sequence[int], stride: Sequence[int]) -> Sequence[int]:
+    """The strides unpack gives a save of these sizes and strides: its own, unless they leave
+    gaps (a part of a larger tensor, as ``split`` hands out), whose span unpack would allocate
+    whole; then row-major, which backward's ops take as they take any layout."""
+    return stride if _memory_order(size, stride) else torch._prims_common.make_contiguous_strides_for(size)
+
+
 def _restore(flat: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
+    """The saved tensor from its values in memory order, with :func:`unpacked_stride`."""
     if _memory_order_of(tuple(size), tuple(stride)):
         return flat.as_strided(size, stride)
-    return torch.empty_strided(size, stride, dtype=flat.dtype, device=flat.device).copy_(flat.view(size))
+    return flat.view(size)
 
 
 def _as_saved(kept: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
-    """An input kept alive instead of packed, with the saved tensor's sizes and strides (a plan
-    may pack a view of it)."""
-    if list(kept.shape) == list(size):
-        return kept
-    return kept.as_strided(size, stride, kept.storage_offset())
+    """An input kept alive instead of packed, as the saved tensor (a plan may pack a view of it)
+    with :func:`unpacked_stride`."""
+    view = kept if list(kept.shape) == list(size) else kept.as_strided(size, stride, kept.storage_offset())
+    return view if _memory_order_of(tuple(view.shape), tuple(view.stride())) else view.contiguous()
 
 
 # A tensor's cells, by the constants and dtype of its plan (checked once per process).
@@ -364,7 +372,7 @@ def _decode(
 def _unpack_saved(
     parts: list[torch.Tensor], size: Sequence[int], stride: Sequence[int], dtype: torch.dtype, plan: str
 ) -> torch.Tensor:
-    """The tensor :func:`_pack_saved` stored, with the sizes and strides it had."""
+    """The tensor :func:`_pack_saved` stored, with its sizes and :func:`unpacked_stride`."""
     with torch._C.DisableTorchFunction():
         kept = _KEPT_INPUTS.get(parts[0]) if _KEPT_INPUTS else None  # no weak reference made per unpack
         if kept is not None:
@@ -375,7 +383,7 @@ def _unpack_saved(
 
 @torch.library.register_fake("lightning_act::unpack_saved", lib=_LIBRARY)
 def _unpack_saved_fake(parts, size, stride, dtype, plan) -> torch.Tensor:
-    return torch.empty_strided(size, stride, dtype=dtype, device=parts[0].device)
+    return torch.empty_strided(size, unpacked_stride(size, stride), dtype=dtype, device=parts[0].device)
 
 
 class NativeSaves:
