@@ -115,7 +115,19 @@ def check_unpack_dequantize(
     _check(stats.dim() == 2 and stats.shape[1] == 2, op, f"stats must have shape [groups, 2]; got {tuple(stats.shape)}")
     _check_contiguous(op, "stats", stats)
     _check(codes.device == stats.device, op, f"codes are on {codes.device} but stats are on {stats.device}")
-    groups = stats.shape[0]
+    _check_groups(op, codes, stats.shape[0], bits, group_size, numel)
+    _check_float(op, "dtype", dtype)
+    plain = rows == 0 and columns == 0
+    _check(
+        plain or (rows > 0 and columns > 0 and numel % (rows * columns) == 0),
+        op,
+        f"rows={rows}, columns={columns}: allowed are both 0 (values in memory order) or both positive with "
+        f"numel={numel} a multiple of rows * columns (whole matrices packed column by column)",
+    )
+
+
+def _check_groups(op: str, codes: torch.Tensor, groups: int, bits: int, group_size: int, numel: int) -> None:
+    """The codes' bytes and ``numel`` against ``groups`` groups of ``group_size`` at ``bits``."""
     expected = groups * group_size * bits // 8
     _check(
         codes.numel() == expected,
@@ -126,14 +138,6 @@ def check_unpack_dequantize(
         0 <= numel <= groups * group_size,
         op,
         f"numel={numel} must be in [0, {groups * group_size}] for {groups} groups of {group_size}",
-    )
-    _check_float(op, "dtype", dtype)
-    plain = rows == 0 and columns == 0
-    _check(
-        plain or (rows > 0 and columns > 0 and numel % (rows * columns) == 0),
-        op,
-        f"rows={rows}, columns={columns}: allowed are both 0 (values in memory order) or both positive with "
-        f"numel={numel} a multiple of rows * columns (whole matrices packed column by column)",
     )
 
 
@@ -151,18 +155,7 @@ def check_lookup_levels(codes: torch.Tensor, levels: torch.Tensor, bits: int, gr
     )
     _check_contiguous(op, "levels", levels)
     _check(codes.device == levels.device, op, f"codes are on {codes.device} but levels are on {levels.device}")
-    groups = levels.shape[0]
-    expected = groups * group_size * bits // 8
-    _check(
-        codes.numel() == expected,
-        op,
-        f"codes hold {codes.numel()} bytes; {groups} groups of {group_size} values at {bits} bits need {expected}",
-    )
-    _check(
-        0 <= numel <= groups * group_size,
-        op,
-        f"numel={numel} must be in [0, {groups * group_size}] for {groups} groups of {group_size}",
-    )
+    _check_groups(op, codes, levels.shape[0], bits, group_size, numel)
 
 
 def _check_blocks(op: str, block_h: int, block_w: int) -> None:
