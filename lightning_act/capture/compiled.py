@@ -558,17 +558,9 @@ class GraphPlan:
                 return Plan(Form.COPY, 0, 0, module, slot, op, decision.min_bits), Outcome.EXACT
             self._exact_slots[node.name] = (slot, info.shape, op)
             return None, Outcome.EXACT
+        quantized = Plan(Form.QUANTIZE, bits, group_size, module, slot, op, decision.min_bits)
         if decision.substitute is not None:
-            return Plan(
-                Form.QUANTIZE,
-                bits,
-                group_size,
-                module,
-                slot,
-                op,
-                decision.min_bits,
-                derivative=decision.substitute.source,
-            ), Outcome.COMPRESSED
+            return quantized._replace(derivative=decision.substitute.source), Outcome.COMPRESSED
         # Its group axis surveyed where eager would: plain groups, in a tensor in logical order.
         surveyed = (
             capture.chooses_group_axes
@@ -576,22 +568,11 @@ class GraphPlan:
             and val.is_contiguous()
             and bool(candidate_axes(val, group_size))
         )
-        survey = f"{slot} {tuple(val.shape)}" if surveyed else None
-        return (
-            Plan(
-                Form.QUANTIZE,
-                bits,
-                group_size,
-                module,
-                slot,
-                op,
-                decision.min_bits,
-                survey=survey,
-                group_axis=decision.group_axis,
-                channels_last=decision.channels_last,
-            ),
-            Outcome.COMPRESSED,
-        )
+        return quantized._replace(
+            survey=f"{slot} {tuple(val.shape)}" if surveyed else None,
+            group_axis=decision.group_axis,
+            channels_last=decision.channels_last,
+        ), Outcome.COMPRESSED
 
     def _rule_op(self, module: str, op: str | None, savers: set[str]) -> str | None:
         """The op a saved node is named by, for rules and the report: of the ops whose backward
