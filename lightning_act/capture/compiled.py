@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import sys
 import weakref
 from collections.abc import Iterator, Sequence
@@ -325,16 +326,22 @@ def _saving_marked_outcomes() -> Iterator[None]:
         partitioners.choose_saved_values_set = choose
 
 
+# Ops handing out a list of views of their input, each taken by a ``getitem``.
+_SPLITS = frozenset("split split_with_sizes unbind chunk tensor_split".split())
+
+
 def _marked_parts(node: fx.Node, marked: set[fx.Node]) -> list[fx.Node] | None:
-    """The marked tensors every reader of ``node`` reaches through views and ops handing out a
-    list of views (``split``), or None where a reader reaches none."""
+    """The marked views every reader of ``node`` reaches through views (a ``split``'s parts
+    included), or None where a reader reaches none."""
     parts: list[fx.Node] = []
     for user in node.users:
         if user in marked:
             parts.append(user)
             continue
-        listed = not isinstance(user.meta.get("val"), torch.Tensor)
-        below = _marked_parts(user, marked) if listed or target_name(user.target) in VIEW_OPS else None
+        name = target_name(user.target)
+        part = user.target is operator.getitem and target_name(node.target) in _SPLITS
+        viewing = part or name in VIEW_OPS or name in _SPLITS
+        below = _marked_parts(user, marked) if viewing else None
         if not below:
             return None
         parts.extend(below)
