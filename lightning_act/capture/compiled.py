@@ -243,10 +243,18 @@ class CheaperSaves:
 
         # The user's activation checkpointing tags what to recompute: left as they chose.
         checkpointed = any("recompute" in node.meta for node in joint.graph.nodes)
-        forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         capture = capturing_now()
         if capture is None or checkpointed:
-            return forward, backward
+            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+        def partition() -> tuple[fx.GraphModule, fx.GraphModule]:
+            with _choosing_saves():
+                return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+        try:
+            forward, backward = partition()
+        except Exception:  # a partition min-cut cannot make without the constants: its own
+            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         bits = capture.nominal_bits
         cost, candidates = _saves_cost(forward, backward, capture, bits)
         marked: set[str] = set()
@@ -261,10 +269,7 @@ class CheaperSaves:
                     node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 marked |= names
                 try:
-                    with _saving_marked_outcomes():
-                        forward_again, backward_again = min_cut_rematerialization_partition(
-                            joint, joint_inputs, **kwargs
-                        )
+                    forward_again, backward_again = partition()
                     cost_again, candidates_again = _saves_cost(forward_again, backward_again, capture, bits)
                 except Exception:  # a partition min-cut cannot make: the one it made stands
                     cost_again = math.inf
@@ -298,32 +303,46 @@ class CheaperSaves:
 
 
 @contextlib.contextmanager
-def _saving_marked_outcomes() -> Iterator[None]:
-    """Min-cut, also saving the nodes marked ``MUST_SAVE`` that it does not: min-cut honours the
-    mark only on forward nodes other than ``getitem``, and never saves a node computed from saves
-    alone (an equality outcome), whose inputs it keeps anyway. Saved, the outcome frees those
-    inputs' exact copy.
+def _choosing_saves() -> Iterator[None]:
+    """Min-cut, with its saved set chosen again: a node computed from no tensor (a fill, an
+    ``arange``) is not saved, as backward computes it again for nothing (AOT autograd merges
+    backward's zeros with forward's: a complex FFT's gradient buffer was kept whole). The nodes
+    marked ``MUST_SAVE`` that min-cut does not save are: it honours the mark only on forward
+    nodes other than ``getitem``, and never saves a node computed from saves alone (an equality
+    outcome), whose inputs it keeps anyway; saved, the outcome frees those inputs' exact copy.
     """
     from torch._functorch import partitioners
     from torch.utils.checkpoint import CheckpointPolicy
 
     choose = partitioners.choose_saved_values_set
 
-    def choose_with_outcomes(joint_graph: fx.Graph, node_info: Any, *args: Any, **kwargs: Any) -> list[fx.Node]:
+    def choose_again(joint_graph: fx.Graph, node_info: Any, *args: Any, **kwargs: Any) -> list[fx.Node]:
         marked = {n for n in joint_graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE}
         saved: list[fx.Node] = []
         for node in choose(joint_graph, node_info, *args, **kwargs):
             # A save read only through marked parts (the tensors a ``split`` hands out, which
             # min-cut never bans from recomputing): the parts instead, each stored as read.
             parts = _marked_parts(node, marked) or [node]
-            saved.extend(p for p in dict.fromkeys(parts) if p not in saved)
+            saved.extend(p for p in dict.fromkeys(parts) if p not in saved and not _constant(p))
         return saved + [n for n in joint_graph.nodes if n in marked and node_info.is_unclaimed(n) and n not in saved]
 
-    partitioners.choose_saved_values_set = choose_with_outcomes
+    partitioners.choose_saved_values_set = choose_again
     try:
         yield
     finally:
         partitioners.choose_saved_values_set = choose
+
+
+def _constant(node: fx.Node) -> bool:
+    """Whether a node's values come from no tensor and no random stream (``empty`` gives none)."""
+    target = node.target
+    return (
+        node.op == "call_function"
+        and not node.all_input_nodes
+        and isinstance(target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded not in target.tags
+        and not target_name(target).startswith("empty")
+    )
 
 
 # Ops handing out a list of views of their input, each taken by a ``getitem``.
@@ -428,7 +447,8 @@ def _outcomes(saved: fx.Node, gradient_free: set[fx.Node]) -> set[str]:
 
 def _recomputed_results(saved: fx.Node, computed: dict[str, fx.Node]) -> set[str]:
     """The forward ops' results a backward graph recomputes from a saved tensor and reads:
-    whole ops' results (a softmax, not the ``exp`` inside it), not views."""
+    whole ops' results (a softmax, not the ``exp`` inside it), and for a view read, the result
+    it views (a ReLU after a normalisation, compared with 0 through reshapes)."""
     results, stack, seen = set(), list(saved.users), set()
     while stack:
         node = stack.pop()
@@ -437,9 +457,11 @@ def _recomputed_results(saved: fx.Node, computed: dict[str, fx.Node]) -> set[str
         seen.add(node)
         recomputed = [u for u in node.users if u.name in computed]
         stack.extend(recomputed)
-        read_by_backward = len(recomputed) < len(node.users)
-        view = target_name(node.target) in VIEW_OPS  # the op itself, not the one it was decomposed from
-        if read_by_backward and not view and _whole_op_result(computed[node.name]):
+        if len(recomputed) == len(node.users):
+            continue  # not read by backward
+        while target_name(node.target) in VIEW_OPS and isinstance(node.args[0], fx.Node):
+            node = node.args[0]  # the op itself, not the one it was decomposed from
+        if node.op == "call_function" and node.name in computed and _whole_op_result(computed[node.name]):
             results.add(node.name)
     return results
 
