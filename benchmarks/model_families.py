@@ -6,8 +6,8 @@ configs, random weights, the same batches), to find what the suite's models do n
 crash, a NaN, a gradient error far from its family's. HF causal LMs (OPT, GPT-NeoX, Mistral,
 Phi, Qwen2, Gemma, Falcon, GPT-J, Bloom, GPT-2, Mamba), encoders (RoBERTa, ELECTRA, DistilBERT, ALBERT,
 DeBERTa-v2), vision models (ViT, DeiT, ConvNeXt, ResNet), speech (Whisper, Wav2Vec2 with CTC), CLIP and
-Segformer; torchvision's RegNet; timm CNNs, ViTs and MLPs; PyG
-convolutions (GraphConv, Cheb, EdgeConv, GAT, APPNP, SGConv, GCN2, PNA), each with a
+Segformer; torchvision's RegNet and RAFT (optical flow); Fourier layers (complex FFT weights);
+timm CNNs, ViTs and MLPs; PyG convolutions (GraphConv, Cheb, EdgeConv, GAT, APPNP, SGConv, GCN2, PNA), each with a
 BatchNorm between its layers; ``torch.nn`` RNNs and an ``LSTMCell`` loop.
 
 Each row has ``model_libraries.measure``'s figures with ``--seeds`` rounding seeds (the
@@ -282,6 +282,43 @@ def torchvision_regnet(data: Path) -> Workload:
     return Workload(model, _seeded(lambda: F.cross_entropy(model(x), y)), (x, y))
 
 
+def torchvision_raft(data: Path) -> Workload:
+    """Optical flow (RAFT small, instance norms) between two CIFAR-10 images at 128 x 128, three
+    refinement steps, the final flow's mean magnitude as the loss."""
+    import torchvision
+
+    model = torchvision.models.optical_flow.raft_small(weights=None).train()
+    frames = F.interpolate(cifar_images(data, 2)[0], size=128, mode="bilinear")
+    return Workload(model, _seeded(lambda: model(frames[:1], frames[1:], num_flow_updates=3)[-1].abs().mean()), frames)
+
+
+class FourierLayers(nn.Module):
+    """Fourier layers as neural operators write them: complex weights mixing the lowest modes of
+    an ``rfft2``, written into a zero buffer and transformed back."""
+
+    def __init__(self, channels: int = 16, modes: int = 8, classes: int = 10):
+        super().__init__()
+        self.modes = modes
+        self.weights = nn.Parameter(torch.randn(2, channels, channels, modes, modes, dtype=torch.cfloat) / channels)
+        self.lift, self.head = nn.Conv2d(3, channels, 1), nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, m = self.lift(x), self.modes
+        for weights in self.weights:
+            spectrum = torch.fft.rfft2(x)
+            mixed = torch.zeros_like(spectrum)
+            mixed[:, :, :m, :m] = torch.einsum("bixy,ioxy->boxy", spectrum[:, :, :m, :m], weights)
+            x = F.gelu(x + torch.fft.irfft2(mixed, s=x.shape[-2:]))
+        return self.head(x.mean((2, 3)))
+
+
+def fourier_layers(data: Path) -> Workload:
+    torch.manual_seed(0)
+    model = FourierLayers().train()
+    x, y = cifar_images(data, 16)
+    return Workload(model, _seeded(lambda: F.cross_entropy(model(x), y)), (x, y))
+
+
 class GraphFamily(nn.Module):
     """Two PyG layers of one family with dropout, a BatchNorm and a ReLU between them."""
 
@@ -389,6 +426,8 @@ FAMILIES = {
     "hf_clip": _case("transformers", hf_clip),
     "hf_segformer": _case("transformers", hf_segformer),
     "torchvision_regnet_y_400mf": _case("torchvision", torchvision_regnet),
+    "torchvision_raft_small": _case("torchvision", torchvision_raft),
+    "torch_fourier_layers": _case("torch.fft", fourier_layers),
 }
 CASES.update(FAMILIES)
 
