@@ -460,7 +460,7 @@ def _recomputed_results(saved: fx.Node, computed: dict[str, fx.Node]) -> set[str
         if len(recomputed) == len(node.users):
             continue  # not read by backward
         while target_name(node.target) in VIEW_OPS and isinstance(node.args[0], fx.Node):
-            node = node.args[0]  # the op itself, not the one it was decomposed from
+            node = node.args[0]  # a view read: the result it views is what to save
         if node.op == "call_function" and node.name in computed and _whole_op_result(computed[node.name]):
             results.add(node.name)
     return results
